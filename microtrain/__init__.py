@@ -1,0 +1,1 @@
+"""microtrain: the device-side runtime that trains a model split by trainconf."""

@@ -1,0 +1,42 @@
+"""Kernel registry.
+
+A kernel is a factory: given the op's preallocated input and output arrays and
+its options (a dict with the schema's snake_case field names), it does all the
+shape work once and returns a zero-argument closure that computes the outputs
+in place.  The executor calls only those closures in the training step.
+
+Keys are circle builtin operator names ("FULLY_CONNECTED") or the custom_code
+of a gradient operator ("Conv2DInputGrad"); see schemas/backprop.md.
+"""
+from typing import Callable
+
+import numpy as np
+
+Step = Callable[[], None]
+Factory = Callable[..., Step]
+
+KERNELS: dict[str, Factory] = {}
+
+
+def kernel(name: str) -> Callable[[Factory], Factory]:
+    """Register a kernel factory under an operator name."""
+    def register(factory: Factory) -> Factory:
+        if name in KERNELS:
+            raise ValueError(f"kernel {name} registered twice")
+        KERNELS[name] = factory
+        return factory
+    return register
+
+
+def build(name: str, inputs: list[np.ndarray | None], outputs: list[np.ndarray],
+          **options) -> Step:
+    """Prepare the kernel `name` over fixed buffers; returns the step closure."""
+    return KERNELS[name](inputs, outputs, **options)
+
+
+def _load_all() -> None:
+    # Importing the modules registers their kernels.
+    from . import activations, conv, dense, elementwise, losses, shape  # noqa: F401
+
+
+_load_all()
