@@ -1,0 +1,339 @@
+"""Optimizers over one flat float32 parameter vector, with Keras 3's update formulas.
+
+The trainer keeps every trainable weight in one flat buffer, so an optimizer sees
+one parameter vector and one gradient vector.  Each optimizer allocates its state
+and scratch vectors once; `apply` then works only through ufuncs writing into
+those buffers, so a training step allocates nothing here.
+
+Formulas follow keras/src/optimizers/*.py (Keras 3): scalars are rounded to
+float32 as Keras casts them to the variable's dtype, and weight decay, when set,
+is applied first as `w -= w * weight_decay * lr` (Keras's decoupled decay, for
+every optimizer; AdamW is Adam with a default decay of 0.004).
+"""
+import math
+
+import numpy as np
+
+from .errors import UserError
+
+f32 = np.float32
+
+
+def _unit(v):
+    return 0 <= v < 1
+
+
+# What each numeric hyperparameter must be; anything else is rejected.
+_VALID = {
+    "learning_rate": (lambda v: v > 0, "a number > 0"),
+    "momentum": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "beta_1": (_unit, "a number in [0, 1)"),
+    "beta_2": (_unit, "a number in [0, 1)"),
+    "rho": (_unit, "a number in [0, 1)"),
+    "epsilon": (lambda v: v >= 0, "a number >= 0"),
+    "weight_decay": (lambda v: v >= 0, "a number >= 0"),
+    "initial_accumulator_value": (lambda v: v >= 0, "a number >= 0"),
+}
+_FLAGS = {"nesterov", "amsgrad", "centered"}
+
+
+def _check(name, value):
+    if name in _FLAGS:
+        if not isinstance(value, bool):
+            raise UserError(None, f"{name} must be true or false, got {value!r}")
+        return
+    if name == "weight_decay" and value is None:   # Keras's "no decay"
+        return
+    ok, what = _VALID[name]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and ok(value)):
+        raise UserError(None, f"{name} must be {what}, got {value!r}")
+
+
+def _moving_average(avg, x, rate, tmp):
+    """avg += (x - avg) * rate, Keras's form of an exponential moving average."""
+    np.subtract(x, avg, out=tmp)
+    tmp *= f32(rate)
+    avg += tmp
+
+
+class Optimizer:
+    """Base: hyperparameters, state vectors, scratch, iteration counter, weight decay."""
+
+    defaults: dict = {}
+    scratch = 2   # number of scratch vectors the update needs
+
+    def __init__(self, size: int, **hyperparameters):
+        unknown = set(hyperparameters) - set(self.defaults)
+        if unknown:   # make_optimizer reports these to users; here it is a bug
+            raise TypeError(f"{type(self).__name__} got unknown hyperparameters {unknown}")
+        self._config = {**self.defaults, **hyperparameters}
+        for name, value in self._config.items():
+            _check(name, value)
+        self.size = size
+        self.iterations = 0
+        self._state: dict[str, np.ndarray] = {}
+        self._tmp = [np.empty(size, f32) for _ in range(self.scratch)]
+        wd = self._config.get("weight_decay")
+        self._weight_decay = f32(wd) if wd else None
+
+    def _slot(self, name: str, fill: float = 0.0, shape=None) -> np.ndarray:
+        """Allocate one named state array (per-parameter unless `shape` is given)."""
+        self._state[name] = np.full(self.size if shape is None else shape, fill, f32)
+        return self._state[name]
+
+    def config(self) -> dict:
+        return dict(self._config)
+
+    @property
+    def learning_rate(self) -> float:
+        """The base learning rate; `apply` takes the (scheduled) rate of each step."""
+        return self._config["learning_rate"]
+
+    def apply(self, params: np.ndarray, grads: np.ndarray, lr: float) -> None:
+        """One update of `params` (float32, in place) with `grads` at learning rate `lr`."""
+        lr = f32(lr)
+        if self._weight_decay is not None:
+            t = self._tmp[0]
+            np.multiply(params, self._weight_decay, out=t)
+            t *= lr
+            params -= t
+        self._update(params, grads, lr, self.iterations + 1)
+        self.iterations += 1
+
+    def _update(self, params, grads, lr, step):
+        raise NotImplementedError
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Copies of the state arrays (the iteration count is `iterations`)."""
+        return {name: a.copy() for name, a in self._state.items()}
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore arrays saved by `state`; ValueError if they do not fit this optimizer."""
+        if set(state) != set(self._state):
+            raise ValueError(f"optimizer state holds {sorted(state)}, "
+                             f"{type(self).__name__} needs {sorted(self._state)}")
+        for name, a in state.items():
+            if np.shape(a) != self._state[name].shape:
+                raise ValueError(f"optimizer state {name} has shape {np.shape(a)}, "
+                                 f"expected {self._state[name].shape}")
+        for name, a in state.items():
+            np.copyto(self._state[name], a)
+
+
+class SGD(Optimizer):
+    """velocity = momentum * velocity - lr * g;  w += velocity
+    (nesterov: w += momentum * velocity - lr * g);  without momentum w -= lr * g."""
+
+    defaults = dict(learning_rate=0.01, momentum=0.0, nesterov=False, weight_decay=None)
+    def __init__(self, size, **hyperparameters):
+        super().__init__(size, **hyperparameters)
+        self._momentum = f32(self._config["momentum"])
+        self._velocity = self._slot("momentum") if self._momentum != 0 else None
+
+    def _update(self, params, grads, lr, step):
+        lr_g, t = self._tmp
+        np.multiply(grads, lr, out=lr_g)
+        m = self._velocity
+        if m is None:
+            params -= lr_g
+            return
+        m *= self._momentum
+        m -= lr_g
+        if self._config["nesterov"]:
+            np.multiply(m, self._momentum, out=t)
+            t -= lr_g
+            params += t
+        else:
+            params += m
+
+
+class Adam(Optimizer):
+    """m += (g - m)(1 - b1);  v += (g² - v)(1 - b2);  (amsgrad: v = max(v_hat, v))
+    w -= m * lr * sqrt(1 - b2^t) / (1 - b1^t) / (sqrt(v) + eps)."""
+
+    defaults = dict(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                    amsgrad=False, weight_decay=None)
+    def __init__(self, size, **hyperparameters):
+        super().__init__(size, **hyperparameters)
+        c = self._config
+        self._b1, self._b2, self._eps = f32(c["beta_1"]), f32(c["beta_2"]), f32(c["epsilon"])
+        self._m, self._v = self._slot("momentum"), self._slot("velocity")
+        self._v_hat = self._slot("velocity_hat") if c["amsgrad"] else None
+
+    def _update(self, params, grads, lr, step):
+        s, d = self._tmp
+        t = f32(step)
+        alpha = lr * np.sqrt(f32(1) - self._b2 ** t) / (f32(1) - self._b1 ** t)
+        _moving_average(self._m, grads, 1 - self._config["beta_1"], s)
+        np.square(grads, out=s)
+        _moving_average(self._v, s, 1 - self._config["beta_2"], s)
+        v = self._v
+        if self._v_hat is not None:
+            np.maximum(self._v_hat, v, out=self._v_hat)
+            v = self._v_hat
+        np.multiply(self._m, alpha, out=s)
+        np.sqrt(v, out=d)
+        d += self._eps
+        s /= d
+        params -= s
+
+
+class RMSprop(Optimizer):
+    """v = rho v + (1 - rho) g²;  (centered: a = rho a + (1 - rho) g, v - a² in the root)
+    step = lr g / sqrt(v + eps);  momentum > 0: mom = momentum mom + step, w -= mom."""
+
+    defaults = dict(learning_rate=0.001, rho=0.9, momentum=0.0, epsilon=1e-7,
+                    centered=False, weight_decay=None)
+    def __init__(self, size, **hyperparameters):
+        super().__init__(size, **hyperparameters)
+        c = self._config
+        self._rho, self._eps = f32(c["rho"]), f32(c["epsilon"])
+        self._one_minus_rho = f32(1 - c["rho"])
+        self._v = self._slot("velocity")
+        self._mom = self._slot("momentum") if c["momentum"] > 0 else None
+        self._avg = self._slot("average_gradient") if c["centered"] else None
+
+    def _decay(self, avg, x):
+        avg *= self._rho
+        x *= self._one_minus_rho
+        avg += x
+
+    def _update(self, params, grads, lr, step):
+        s, d = self._tmp
+        np.square(grads, out=s)
+        self._decay(self._v, s)
+        if self._avg is not None:
+            np.copyto(s, grads)
+            self._decay(self._avg, s)
+            np.square(self._avg, out=s)
+            np.subtract(self._v, s, out=d)
+        else:
+            np.copyto(d, self._v)
+        d += self._eps
+        np.sqrt(d, out=d)
+        np.multiply(grads, lr, out=s)
+        s /= d
+        if self._mom is not None:
+            self._mom *= f32(self._config["momentum"])
+            self._mom += s
+            s = self._mom
+        params -= s
+
+
+class Adagrad(Optimizer):
+    """acc += g²;  w -= lr g / sqrt(acc + eps), acc starting at initial_accumulator_value."""
+
+    defaults = dict(learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
+                    weight_decay=None)
+    def __init__(self, size, **hyperparameters):
+        super().__init__(size, **hyperparameters)
+        self._eps = f32(self._config["epsilon"])
+        self._acc = self._slot("accumulator", self._config["initial_accumulator_value"])
+
+    def _update(self, params, grads, lr, step):
+        s, d = self._tmp
+        np.square(grads, out=s)
+        self._acc += s
+        np.add(self._acc, self._eps, out=d)
+        np.sqrt(d, out=d)
+        np.multiply(grads, lr, out=s)
+        s /= d
+        params -= s
+
+
+class Adamax(Optimizer):
+    """m += (g - m)(1 - b1);  u = max(b2 u, |g|);  w -= lr m / ((1 - b1^t)(u + eps))."""
+
+    defaults = dict(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                    weight_decay=None)
+    def __init__(self, size, **hyperparameters):
+        super().__init__(size, **hyperparameters)
+        c = self._config
+        self._b1, self._b2, self._eps = f32(c["beta_1"]), f32(c["beta_2"]), f32(c["epsilon"])
+        self._m, self._u = self._slot("m"), self._slot("u")
+
+    def _update(self, params, grads, lr, step):
+        s, d = self._tmp
+        _moving_average(self._m, grads, 1 - self._config["beta_1"], s)
+        self._u *= self._b2
+        np.abs(grads, out=s)
+        np.maximum(self._u, s, out=self._u)
+        np.add(self._u, self._eps, out=d)
+        d *= f32(1) - self._b1 ** f32(step)
+        np.multiply(self._m, lr, out=s)
+        s /= d
+        params -= s
+
+
+class Nadam(Optimizer):
+    """Adam with Nesterov momentum and Keras's momentum schedule
+    u_t = b1 (1 - 0.5 * 0.96^t), whose running product is kept as state."""
+
+    defaults = dict(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                    weight_decay=None)
+    scratch = 3
+
+    def __init__(self, size, **hyperparameters):
+        super().__init__(size, **hyperparameters)
+        c = self._config
+        self._b1, self._b2, self._eps = f32(c["beta_1"]), f32(c["beta_2"]), f32(c["epsilon"])
+        self._m, self._v = self._slot("momentum"), self._slot("velocity")
+        self._u_product = self._slot("u_product", 1.0, shape=())
+
+    def _mu(self, t):
+        return self._b1 * (f32(1) - f32(0.5) * f32(0.96) ** f32(t))
+
+    def _update(self, params, grads, lr, step):
+        s, d, e = self._tmp
+        u_t, u_next = self._mu(step), self._mu(step + 1)
+        self._u_product *= u_t
+        u_product = self._u_product[()]
+        m_coef = u_next / (f32(1) - u_product * u_next)
+        g_coef = (f32(1) - u_t) / (f32(1) - u_product)
+        v_coef = f32(1) / (f32(1) - self._b2 ** f32(step))
+        # Unlike Adam, Keras's Nadam forms 1 - beta from the float32 betas.
+        _moving_average(self._m, grads, f32(1) - self._b1, s)
+        np.square(grads, out=s)
+        _moving_average(self._v, s, f32(1) - self._b2, s)
+        np.multiply(self._v, v_coef, out=d)     # v_hat
+        np.sqrt(d, out=d)
+        d += self._eps
+        np.multiply(self._m, m_coef, out=s)     # m_hat = m_coef m + g_coef g
+        np.multiply(grads, g_coef, out=e)
+        s += e
+        s *= lr
+        s /= d
+        params -= s
+
+
+# CLI name -> (class, defaults that differ from the class's Keras defaults).
+_PRESETS = {
+    "sgd": (SGD, {}),
+    "momentum": (SGD, {"momentum": 0.9}),
+    "nesterov": (SGD, {"momentum": 0.9, "nesterov": True}),
+    "adam": (Adam, {}),
+    "adamw": (Adam, {"weight_decay": 0.004}),   # keras.optimizers.AdamW
+    "rmsprop": (RMSprop, {}),
+    "adagrad": (Adagrad, {}),
+    "adamax": (Adamax, {}),
+    "nadam": (Nadam, {}),
+}
+OPTIMIZERS: dict[str, type[Optimizer]] = {name: cls for name, (cls, _) in _PRESETS.items()}
+DEFAULTS: dict[str, dict] = {name: {**cls.defaults, **changed}
+                             for name, (cls, changed) in _PRESETS.items()}
+
+
+def make_optimizer(name: str, size: int, **given) -> Optimizer:
+    """The optimizer `name` over `size` parameters; `given` overrides DEFAULTS[name].
+
+    A given value of None counts as not given, so a CLI can pass unset options through.
+    """
+    if name not in OPTIMIZERS:
+        raise UserError(None, f"unknown optimizer {name!r} (choose from {', '.join(OPTIMIZERS)})")
+    given = {k: v for k, v in given.items() if v is not None}
+    unknown = sorted(set(given) - set(DEFAULTS[name]))
+    if unknown:
+        raise UserError(None, f"optimizer {name} has no hyperparameter {', '.join(unknown)} "
+                              f"(it takes {', '.join(DEFAULTS[name])})")
+    return OPTIMIZERS[name](size, **{**DEFAULTS[name], **given})
