@@ -1,0 +1,140 @@
+"""Training data for the command line: loading arrays, validation split, batches.
+
+A data spec is `path.npy`, `path.npz:key` (the key may be left out when the
+archive holds one array) or `path.bin`: raw little-endian float32 samples, as
+onert_train's raw files, which needs the shape of one sample.
+"""
+import math
+import zipfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .errors import UserError
+
+# Array kinds that are numbers: bool, signed and unsigned integers, floats.
+_NUMERIC_KINDS = "biuf"
+
+
+def load_array(spec: str, sample_shape: Sequence[int] | None = None) -> np.ndarray:
+    """Load the array named by `spec`; every problem is a UserError naming the file.
+
+    `sample_shape` is required for `.bin` files, whose sample count is inferred.
+    """
+    path, key = _split_spec(spec)
+    if not path.is_file():
+        raise UserError(path, "no such file" if not path.exists() else "not a regular file")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npy":
+            array = np.load(path, allow_pickle=False)
+        elif suffix == ".npz":
+            array = _load_npz(path, key)
+        elif suffix == ".bin":
+            array = _load_raw(path, sample_shape)
+        else:
+            raise UserError(path, "unknown data format (expected .npy, .npz[:key] or .bin)")
+    except ValueError as e:
+        raise UserError(spec, _numpy_refusal(str(e), suffix)) from None
+    except (OSError, EOFError, zipfile.BadZipFile) as e:
+        raise UserError(path, f"cannot read it as {suffix} ({e})") from None
+    _check_values(spec, array)
+    return array
+
+
+def _numpy_refusal(message: str, suffix: str) -> str:
+    """numpy's ValueError for object arrays, pickles or a malformed file, as our problem text."""
+    if message.startswith("Object arrays"):
+        return "holds an object array; only numeric arrays are supported"
+    if "pickled" in message:   # neither .npy nor zip: numpy would fall back to pickle
+        return f"is not a {suffix} file"
+    return f"is not a valid {suffix} file ({message})"
+
+
+def _split_spec(spec: str) -> tuple[Path, str | None]:
+    """'data.npz:x' -> (data.npz, 'x'); anything else is a path without a key."""
+    head, sep, key = str(spec).rpartition(":")
+    if sep and head.lower().endswith(".npz"):
+        return Path(head), key
+    return Path(spec), None
+
+
+def _load_npz(path: Path, key: str | None) -> np.ndarray:
+    with np.load(path, allow_pickle=False) as archive:
+        keys = list(archive.keys())
+        if not keys:
+            raise UserError(path, "holds no arrays")
+        if key is None:
+            if len(keys) != 1:
+                raise UserError(path, f"holds {len(keys)} arrays; name one as "
+                                      f"{path.name}:KEY (keys: {', '.join(keys)})")
+            key = keys[0]
+        if key not in keys:
+            raise UserError(path, f"has no array {key!r} (keys: {', '.join(keys)})")
+        return archive[key]
+
+
+def _load_raw(path: Path, sample_shape: Sequence[int] | None) -> np.ndarray:
+    if sample_shape is None:
+        raise UserError(path, "raw .bin data needs the shape of one sample")
+    sample_shape = tuple(int(d) for d in sample_shape)
+    if any(d <= 0 for d in sample_shape):
+        raise UserError(path, f"sample shape {sample_shape} has a dimension <= 0")
+    sample_bytes = 4 * math.prod(sample_shape)
+    size = path.stat().st_size
+    if size % sample_bytes:
+        raise UserError(path, f"{size} bytes is not a whole number of float32 samples of "
+                              f"shape {sample_shape} ({sample_bytes} bytes each)")
+    return np.fromfile(path, dtype="<f4").reshape(-1, *sample_shape)
+
+
+def _check_values(spec: str, array: np.ndarray) -> None:
+    if array.dtype.kind not in _NUMERIC_KINDS:
+        raise UserError(spec, f"holds {array.dtype} data; expected numbers")
+    if array.ndim == 0:
+        raise UserError(spec, "holds a single value; expected an array of samples")
+    if array.shape[0] == 0:
+        raise UserError(spec, f"holds no samples (shape {array.shape})")
+    if array.dtype.kind == "f":
+        bad = ~np.isfinite(array)
+        if bad.any():
+            nan = int(np.isnan(array).sum())
+            first = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise UserError(spec, f"holds {nan} NaN and {int(bad.sum()) - nan} inf values; "
+                                  f"the first at index {list(first)}")
+
+
+def validation_split(arrays: Sequence[np.ndarray], fraction: float
+                     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Split every array into (training, validation) parts, the validation part
+    being the last `fraction` of the samples, before any shuffling (as Keras's
+    fit(validation_split=...), including its rounding)."""
+    if not 0 < fraction < 1:
+        raise UserError(None, f"validation split must be between 0 and 1, got {fraction}")
+    n = _sample_count(arrays)
+    split_at = math.floor(n * (1.0 - fraction))
+    if split_at in (0, n):
+        raise UserError(None, f"a validation split of {fraction} of {n} samples leaves "
+                              f"{'no training' if split_at == 0 else 'no validation'} samples")
+    return [a[:split_at] for a in arrays], [a[split_at:] for a in arrays]
+
+
+def _sample_count(arrays: Sequence[np.ndarray]) -> int:
+    counts = {len(a) for a in arrays}
+    if len(counts) != 1:
+        raise UserError(None, f"inputs and targets have different numbers of samples: "
+                              f"{', '.join(str(len(a)) for a in arrays)}")
+    return counts.pop()
+
+
+def batch_indices(n: int, batch_size: int, shuffle: bool,
+                  rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """Index arrays of one epoch's batches over `n` samples; the last may be partial.
+
+    The permutation is drawn from `rng` at the call, not lazily, so the generator's
+    state right after the call is the state a checkpoint must save to replay
+    the following epochs.
+    """
+    order = rng.permutation(n) if shuffle else np.arange(n)
+    return (order[i:i + batch_size] for i in range(0, n, batch_size))
