@@ -1,0 +1,156 @@
+"""Checkpoint files: round trip, exact resume, numpy-only reading, damage detection."""
+import json
+import zipfile
+
+import numpy as np
+import pytest
+
+from microtrain.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from microtrain.data import batch_indices
+from microtrain.errors import UserError
+from microtrain.optimizers import make_optimizer
+
+SHA = "5e" * 32
+N = 12
+
+
+def _checkpoint(opt, params, rng, epoch) -> Checkpoint:
+    return Checkpoint(params=params.copy(), optimizer="nadam", optimizer_config=opt.config(),
+                      optimizer_state=opt.state(), iterations=opt.iterations, epoch=epoch,
+                      rng_state=rng.bit_generator.state, model_sha256=SHA,
+                      loss_scale={"scale": 32768.0, "good_steps": 7}, step=opt.iterations,
+                      extra={"baseline": {"loss": 0.5}})
+
+
+def _train_epoch(opt, params, rng, grads):
+    """A stand-in for an epoch: shuffled batches pick the gradient of each step."""
+    for idx in batch_indices(len(grads), 3, True, rng):
+        opt.apply(params, grads[idx].mean(axis=0), 0.01)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    opt = make_optimizer("nadam", N)
+    params = np.linspace(-1, 1, N, dtype=np.float32)
+    rng = np.random.default_rng(5)
+    _train_epoch(opt, params, rng, np.random.default_rng(0).standard_normal((10, N)).astype(np.float32))
+    path = tmp_path / "run.ckpt"
+    ckpt = _checkpoint(opt, params, rng, epoch=1)
+    save_checkpoint(path, ckpt)
+    return path, ckpt
+
+
+def test_round_trip(saved):
+    path, ckpt = saved
+    back = load_checkpoint(path, SHA)
+    np.testing.assert_array_equal(back.params, ckpt.params)
+    assert back.params.dtype == np.float32
+    assert back.optimizer_state.keys() == ckpt.optimizer_state.keys()
+    for name, array in ckpt.optimizer_state.items():
+        np.testing.assert_array_equal(back.optimizer_state[name], array)
+    for field in ("optimizer", "optimizer_config", "iterations", "epoch", "step", "rng_state",
+                  "model_sha256", "loss_scale", "extra"):
+        assert getattr(back, field) == getattr(ckpt, field), field
+    assert back.rng().random() == ckpt.rng().random()
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path):
+    grads = np.random.default_rng(1).standard_normal((10, N)).astype(np.float32)
+    start = np.linspace(-1, 1, N, dtype=np.float32)
+
+    straight, opt, rng = start.copy(), make_optimizer("nadam", N), np.random.default_rng(9)
+    for _ in range(3):
+        _train_epoch(opt, straight, rng, grads)
+
+    first, opt, rng = start.copy(), make_optimizer("nadam", N), np.random.default_rng(9)
+    _train_epoch(opt, first, rng, grads)
+    save_checkpoint(tmp_path / "c", _checkpoint(opt, first, rng, epoch=1))
+    ckpt = load_checkpoint(tmp_path / "c", SHA)
+    resumed, opt, rng = ckpt.params, make_optimizer("nadam", N, **ckpt.optimizer_config), ckpt.rng()
+    opt.load_state(ckpt.optimizer_state)
+    opt.iterations = ckpt.iterations
+    for _ in range(2):
+        _train_epoch(opt, resumed, rng, grads)
+    np.testing.assert_array_equal(resumed, straight)
+
+
+def test_readable_with_numpy_alone(saved):
+    path, ckpt = saved
+    with np.load(path) as archive:
+        meta = json.loads(archive["meta.json"])
+        np.testing.assert_array_equal(archive["params"], ckpt.params)
+        np.testing.assert_array_equal(archive["optimizer/velocity"], ckpt.optimizer_state["velocity"])
+        assert set(archive.keys()) == {"meta.json", "params", "optimizer/momentum",
+                                       "optimizer/velocity", "optimizer/u_product"}
+    assert meta["format"] == "microtrain-checkpoint" and meta["version"] == 1
+    assert meta["optimizer"]["state"] == ["momentum", "u_product", "velocity"]
+
+
+def _rewrite(path, meta_change=None, drop=None):
+    """Copy the archive with its meta.json changed or a member left out."""
+    with zipfile.ZipFile(path) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    meta = json.loads(members["meta.json"])
+    if meta_change:
+        meta_change(meta)
+    members["meta.json"] = json.dumps(meta).encode()
+    members.pop(drop, None)
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+
+
+def _load_error(path, sha=SHA):
+    with pytest.raises(UserError) as info:
+        load_checkpoint(path, sha)
+    return str(info.value)
+
+
+def test_other_model_and_other_version(saved):
+    path, _ = saved
+    assert _load_error(path, "ff" * 32) == (
+        f"{path}: checkpoint of another model (sha256 5e5e5e5e5e5e..., this model is ffffffffffff...)")
+    _rewrite(path, lambda m: m.update(version=2))
+    assert _load_error(path).endswith("checkpoint format version 2; this microtrain reads version 1")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: p.write_bytes(b"not a zip at all"), "damaged checkpoint (BadZipFile"),
+    (lambda p: p.write_bytes(p.read_bytes()[:-40]), "damaged checkpoint"),
+    (lambda p: np.savez(p.with_suffix(".npz"), params=np.ones(3)) or p.with_suffix(".npz").rename(p),
+     "not a microtrain checkpoint (no meta.json)"),
+    (lambda p: _rewrite(p, lambda m: m.update(format="something else")), "not a microtrain checkpoint"),
+    (lambda p: _rewrite(p, drop="optimizer/velocity.npy"), "damaged checkpoint (KeyError"),
+    (lambda p: _rewrite(p, lambda m: m.update(epoch=-1)), "counters must be whole numbers >= 0"),
+    (lambda p: _rewrite(p, lambda m: m["rng_state"].update(bit_generator="os.system")),
+     "unknown bit generator 'os.system'"),
+    (lambda p: _rewrite(p, lambda m: m["rng_state"].update(state="garbage")), "damaged checkpoint"),
+])
+def test_damaged_files_are_user_errors(saved, damage, message):
+    path, _ = saved
+    damage(path)
+    assert message in _load_error(path)
+
+
+def test_flipped_byte_in_the_parameters_is_caught(saved):
+    path, _ = saved
+    data = bytearray(path.read_bytes())
+    npy = data.index(b"\x93NUMPY", data.index(b"params.npy"))
+    at = npy + 10 + int.from_bytes(data[npy + 8:npy + 10], "little") + 4   # past the .npy header
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+    assert "damaged checkpoint (BadZipFile: Bad CRC-32" in _load_error(path)
+
+
+def test_missing_file(tmp_path):
+    assert _load_error(tmp_path / "none.ckpt") == f"{tmp_path / 'none.ckpt'}: no such checkpoint file"
+
+
+def test_non_finite_parameters_are_never_written(saved):
+    path, ckpt = saved
+    before = path.read_bytes()
+    ckpt.params[3] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        save_checkpoint(path, ckpt)
+    assert path.read_bytes() == before
+    assert [p.name for p in path.parent.iterdir()] == [path.name]   # no temporary left behind
