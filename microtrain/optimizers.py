@@ -126,6 +126,7 @@ class SGD(Optimizer):
     (nesterov: w += momentum * velocity - lr * g);  without momentum w -= lr * g."""
 
     defaults = dict(learning_rate=0.01, momentum=0.0, nesterov=False, weight_decay=None)
+
     def __init__(self, size, **hyperparameters):
         super().__init__(size, **hyperparameters)
         self._momentum = f32(self._config["momentum"])
@@ -154,6 +155,7 @@ class Adam(Optimizer):
 
     defaults = dict(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                     amsgrad=False, weight_decay=None)
+
     def __init__(self, size, **hyperparameters):
         super().__init__(size, **hyperparameters)
         c = self._config
@@ -185,6 +187,7 @@ class RMSprop(Optimizer):
 
     defaults = dict(learning_rate=0.001, rho=0.9, momentum=0.0, epsilon=1e-7,
                     centered=False, weight_decay=None)
+
     def __init__(self, size, **hyperparameters):
         super().__init__(size, **hyperparameters)
         c = self._config
@@ -226,6 +229,7 @@ class Adagrad(Optimizer):
 
     defaults = dict(learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
                     weight_decay=None)
+
     def __init__(self, size, **hyperparameters):
         super().__init__(size, **hyperparameters)
         self._eps = f32(self._config["epsilon"])
@@ -247,6 +251,7 @@ class Adamax(Optimizer):
 
     defaults = dict(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                     weight_decay=None)
+
     def __init__(self, size, **hyperparameters):
         super().__init__(size, **hyperparameters)
         c = self._config

@@ -12,7 +12,7 @@ FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "keras_schedules.json
 
 
 @pytest.mark.parametrize("case", FIXTURE["cases"],
-                         ids=lambda c: f"{c['schedule']}-{c['keras']['config']}")
+                         ids=lambda c: f"{c['schedule']}@{c['base_lr']}")
 def test_rates_match_keras(case):
     schedule = make_schedule(case["schedule"], case["base_lr"], **case["params"])
     ours = np.array([schedule(step) for step in case["steps"]], np.float32)
