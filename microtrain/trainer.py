@@ -1,0 +1,230 @@
+"""The Python API of the device runtime: a Trainer over the three split files."""
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .artifacts import load_artifacts
+from .data import batch_indices
+from .errors import UserError
+from .executor import Memory, Plan, check_supported, compile_plan
+from .format.wof import write_wof
+from .metrics import HIGHER_IS_BETTER, METRICS, default_metric
+from .optimizers import make_optimizer
+from .schedules import make_schedule
+
+
+class Diverged(Exception):
+    """The loss became NaN or infinite."""
+
+
+@dataclass
+class Totals:
+    """Running sums over the batches of one pass through a data set.  The loss is
+    averaged weighting each step by its batch size, as Keras 3 does (its loss
+    tracker is a Mean with sample_weight = batch size), so a partial last batch
+    counts for its rows."""
+    loss: float = 0.0
+    samples: int = 0
+    metric: list = field(default_factory=lambda: [0.0, 0])
+
+    def add(self, loss: float, rows: int, metric: tuple[float, int]) -> None:
+        self.loss += loss * rows
+        self.samples += rows
+        self.metric[0] += metric[0]
+        self.metric[1] += metric[1]
+
+    def mean_loss(self) -> float:
+        return self.loss / self.samples
+
+    def metric_value(self) -> float:
+        return self.metric[0] / max(self.metric[1], 1)
+
+
+class Trainer:
+    """Trains the weights of a split model in place; see `fit`."""
+
+    def __init__(self, frozen, wof=None, backprop=None, *, batch_size: int = 32,
+                 optimizer: str = "adam", lr_schedule: str = "constant",
+                 schedule_params: dict | None = None, metric: str | None = None,
+                 with_backprop: bool = True, **hyperparameters):
+        self.art = load_artifacts(frozen, wof, backprop, with_backprop)
+        check_supported(self.art)
+        if batch_size < 1:
+            raise UserError(None, f"--batch-size must be at least 1, got {batch_size}")
+        self.batch_size = batch_size
+        self.memory = Memory(self.art, batch_size)
+        self.loss_name = self.art.training["loss"]
+        self.metric = metric or default_metric(self.loss_name)
+        if self.metric not in METRICS:
+            raise UserError(None, f"unknown metric {self.metric!r} (choose from {', '.join(METRICS)})")
+        self.optimizer_name = optimizer
+        self.optimizer = make_optimizer(optimizer, self.memory.params.size, **hyperparameters)
+        self.schedule = make_schedule(lr_schedule, self.optimizer.learning_rate,
+                                      **(schedule_params or {}))
+        self.epoch = 0
+        self._plans: dict[int, Plan] = {}
+
+    # -- data ---------------------------------------------------------------------------------
+    def _plan(self, rows: int) -> Plan:
+        if rows not in self._plans:
+            self._plans[rows] = compile_plan(self.art, self.memory, rows)
+        return self._plans[rows]
+
+    def _expect(self, arrays: Sequence[np.ndarray], views: list[np.ndarray], what: str) -> list:
+        arrays = [np.asarray(a) for a in arrays]
+        if len(arrays) != len(views):
+            raise UserError(None, f"the model has {len(views)} {what}(s), got {len(arrays)}")
+        for i, (a, v) in enumerate(zip(arrays, views)):
+            want = v.shape[1:]
+            got = a.shape[1:]
+            if what == "target" and got != want and got == want + (1,):
+                arrays[i] = a = a.reshape(a.shape[:-1])  # sparse labels given as [N, 1]
+                got = want
+            if got != want or a.ndim == 0:
+                raise UserError(None, f"{what} {i}: expected samples of shape {want}, "
+                                      f"found {got} (array of shape {a.shape})")
+            if not np.issubdtype(a.dtype, np.number):
+                raise UserError(None, f"{what} {i}: expected numbers, found dtype {a.dtype}")
+            if not np.all(np.isfinite(a)):
+                raise UserError(None, f"{what} {i}: contains NaN or inf")
+        if len({len(a) for a in arrays}) > 1:
+            raise UserError(None, f"{what}s have different sample counts")
+        return arrays
+
+    def _check_data(self, inputs, targets=None) -> tuple[list, list]:
+        plan = self._plan(self.batch_size)
+        xs = self._expect(inputs, plan.inputs, "input")
+        ts = [] if targets is None else self._expect(targets, plan.targets, "target")
+        if ts and len(ts[0]) != len(xs[0]):
+            raise UserError(None, f"{len(xs[0])} input samples but {len(ts[0])} target samples")
+        return xs, ts
+
+    @staticmethod
+    def _load(plan: Plan, xs, ts, idx) -> None:
+        for src, dst in zip(xs, plan.inputs):
+            np.take(src, idx, axis=0, out=dst) if dst.dtype == src.dtype else \
+                np.copyto(dst, src[idx], casting="unsafe")
+        for src, dst in zip(ts, plan.targets):
+            np.copyto(dst, src[idx], casting="unsafe")
+
+    def _measure(self, plan: Plan) -> tuple[float, int]:
+        return METRICS[self.metric](plan.outputs[0], plan.targets[0], self.loss_name)
+
+    # -- training -----------------------------------------------------------------------------
+    def train_step(self, plan: Plan) -> float:
+        """Forward, backward and update on the batch already loaded into `plan`."""
+        plan.run_forward()
+        plan.run_backward()
+        loss = float(plan.loss[0])
+        if not np.isfinite(loss):
+            raise Diverged(loss)
+        self.optimizer.apply(self.memory.params, self.memory.grads,
+                             self.schedule(self.optimizer.iterations))
+        return loss
+
+    def train_epoch(self, xs, ts, shuffle: bool, rng: np.random.Generator,
+                    tick: Callable[[int], None] | None = None) -> dict:
+        totals, busy, steps = Totals(), 0.0, 0
+        for idx in batch_indices(len(xs[0]), self.batch_size, shuffle, rng):
+            plan = self._plan(len(idx))
+            self._load(plan, xs, ts, idx)
+            start = time.perf_counter()
+            loss = self.train_step(plan)
+            busy += time.perf_counter() - start
+            steps += 1
+            totals.add(loss, len(idx), self._measure(plan))
+            if tick:
+                tick(len(idx))
+        self.epoch += 1
+        return {"epoch": self.epoch, "loss": totals.mean_loss(),
+                self.metric: totals.metric_value(), "ms_per_step": 1000 * busy / steps}
+
+    def fit(self, inputs, targets, epochs: int = 5, shuffle: bool = True, seed: int | None = None,
+            test: tuple | None = None, on_epoch: Callable[[dict], None] | None = None,
+            rng: np.random.Generator | None = None, progress=None) -> list[dict]:
+        """Train until `epochs` epochs are done (counting those already done);
+        returns one record per epoch trained now.  `progress(length, label)`, if
+        given, makes a progress bar (a context manager with `update(n)`)."""
+        xs, ts = self._check_data(inputs, targets)
+        if self.batch_size > len(xs[0]):
+            raise UserError(None, f"--batch-size {self.batch_size} is larger than the data set "
+                                  f"({len(xs[0])} samples)")
+        test_data = self._check_data(*test) if test else None
+        rng = rng if rng is not None else np.random.default_rng(seed)
+        history = []
+        while self.epoch < epochs:
+            snapshot = self.memory.params.copy()
+            try:
+                record = self._epoch_with_progress(xs, ts, shuffle, rng, progress)
+            except Diverged as e:
+                if not np.all(np.isfinite(self.memory.params)):
+                    self.memory.params[...] = snapshot
+                raise UserError(None, f"training diverged in epoch {self.epoch + 1}: the loss "
+                                      f"became {e.args[0]}; kept the last finite weights") from None
+            if test_data:
+                result = self.evaluate(*test_data, checked=True)
+                record["test_loss"] = result["loss"]
+                record[f"test_{self.metric}"] = result[self.metric]
+            history.append(record)
+            if on_epoch:
+                on_epoch(record)
+        return history
+
+    def _epoch_with_progress(self, xs, ts, shuffle, rng, progress) -> dict:
+        if progress is None:
+            return self.train_epoch(xs, ts, shuffle, rng)
+        with progress(len(xs[0]), f"epoch {self.epoch + 1}") as bar:
+            return self.train_epoch(xs, ts, shuffle, rng, bar.update)
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def _batches(self, n: int):
+        for start in range(0, n, self.batch_size):
+            yield np.arange(start, min(start + self.batch_size, n))
+
+    def evaluate(self, inputs, targets, checked: bool = False) -> dict:
+        """Loss and metric over a whole data set, in batches of the training batch size."""
+        xs, ts = (inputs, targets) if checked else self._check_data(inputs, targets)
+        if self.art.backprop is None:
+            raise UserError(self.art.frozen_path, "evaluation needs the backprop graph (its loss)")
+        totals = Totals()
+        for idx in self._batches(len(xs[0])):
+            plan = self._plan(len(idx))
+            self._load(plan, xs, ts, idx)
+            plan.run_forward()
+            plan.run_loss()
+            totals.add(float(plan.loss[0]), len(idx), self._measure(plan))
+        return {"loss": totals.mean_loss(), self.metric: totals.metric_value(),
+                "samples": totals.samples}
+
+    def predict(self, inputs) -> list[np.ndarray]:
+        xs, _ = self._check_data(inputs)
+        n = len(xs[0])
+        plan = self._plan(self.batch_size)
+        outs = [np.empty((n,) + o.shape[1:], np.float32) for o in plan.outputs]
+        for idx in self._batches(n):
+            plan = self._plan(len(idx))
+            self._load(plan, xs, [], idx)
+            plan.run_forward()
+            for out, o in zip(outs, plan.outputs):
+                out[idx] = o
+        return outs
+
+    def improved(self, before: dict, after: dict) -> bool:
+        key = self.metric
+        return after[key] > before[key] if HIGHER_IS_BETTER[key] else after[key] < before[key]
+
+    # -- weights ------------------------------------------------------------------------------
+    def weights(self) -> dict[int, np.ndarray]:
+        return dict(self.memory.param_views)
+
+    def save_weights(self, path=None) -> None:
+        """Write the current weights as a .wof (atomically); refuses non-finite weights."""
+        if not np.all(np.isfinite(self.memory.params)):
+            raise UserError(path or self.art.wof_path, "weights hold NaN or inf; not saved")
+        write_wof(path or self.art.wof_path, len(self.art.forward.tensors), self.weights())
+
+    def memory_bytes(self) -> int:
+        return self.memory.nbytes()
+

@@ -1,0 +1,141 @@
+"""An independent reference: run a circle forward graph in PyTorch (float64) and let
+autograd compute the loss gradients.  Shares nothing with trainconf's gradient rules."""
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from microtrain.graph import Graph
+
+ACT = {0: lambda x: x, 1: torch.relu, 2: lambda x: x.clamp(-1, 1), 3: lambda x: x.clamp(0, 6),
+       4: torch.tanh}
+
+
+def _same_pad(size, k, stride, dilation):
+    out = -(-size // stride)
+    total = max((out - 1) * stride + (k - 1) * dilation + 1 - size, 0)
+    return total // 2, total - total // 2
+
+
+def _pad_nchw(x, o, kh, kw, value=0.0):
+    if o.get("padding", 1) != 0:
+        return x
+    top, bottom = _same_pad(x.shape[2], kh, o.get("stride_h", 1), o.get("dilation_h_factor", 1))
+    left, right = _same_pad(x.shape[3], kw, o.get("stride_w", 1), o.get("dilation_w_factor", 1))
+    return F.pad(x, (left, right, top, bottom), value=value)
+
+
+def _conv(x, w, b, o, groups=1):
+    x = x.permute(0, 3, 1, 2)
+    x = _pad_nchw(x, o, w.shape[2], w.shape[3])
+    y = F.conv2d(x, w, b, stride=(o["stride_h"], o["stride_w"]),
+                 dilation=(o.get("dilation_h_factor", 1), o.get("dilation_w_factor", 1)), groups=groups)
+    return y.permute(0, 2, 3, 1)
+
+
+def conv_2d(x, w, b, o):
+    return _conv(x, w.permute(0, 3, 1, 2), b, o)
+
+
+def depthwise(x, w, b, o):
+    channels = x.shape[-1]
+    return _conv(x, w[0].permute(2, 0, 1).unsqueeze(1), b, o, groups=channels)
+
+
+def pool(x, o, kind):
+    kh, kw = o["filter_height"], o["filter_width"]
+    x = x.permute(0, 3, 1, 2)
+    stride = (o["stride_h"], o["stride_w"])
+    if kind == "max":
+        y = F.max_pool2d(_pad_nchw(x, o, kh, kw, -float("inf")), (kh, kw), stride)
+    else:
+        ones = _pad_nchw(torch.ones_like(x[:1, :1]), o, kh, kw)
+        total = F.avg_pool2d(_pad_nchw(x, o, kh, kw), (kh, kw), stride, divisor_override=1)
+        y = total / F.avg_pool2d(ones, (kh, kw), stride, divisor_override=1)
+    return y.permute(0, 2, 3, 1)
+
+
+def run_op(op, v, g: Graph):
+    x = [v[i] if i >= 0 else None for i in op.inputs]
+    o = op.options
+    act = ACT[o.get("fused_activation_function", 0)]
+    t = op.type
+    if t == "FULLY_CONNECTED":
+        flat = x[0].reshape(-1, x[1].shape[1])
+        y = flat @ x[1].T + (x[2] if len(x) > 2 and x[2] is not None else 0)
+        return act(y.reshape(*x[0].shape[:-1], -1) if o.get("keep_num_dims") else y)
+    if t == "CONV_2D":
+        return act(conv_2d(x[0], x[1], x[2], o))
+    if t == "DEPTHWISE_CONV_2D":
+        return act(depthwise(x[0], x[1], x[2], o))
+    if t in ("MAX_POOL_2D", "AVERAGE_POOL_2D"):
+        return act(pool(x[0], o, "max" if t == "MAX_POOL_2D" else "avg"))
+    if t == "MEAN":
+        axes = [int(a) for a in np.atleast_1d(g.tensors[op.inputs[1]].data)]
+        return x[0].mean(dim=axes, keepdim=bool(o.get("keep_dims")))
+    if t in ("RESHAPE", "SQUEEZE"):
+        return x[0].reshape(-1, *g.tensors[op.outputs[0]].shape[1:])
+    if t == "SOFTMAX":
+        return torch.softmax(x[0] * o.get("beta", 1.0), dim=-1)
+    simple = {"RELU": torch.relu, "RELU6": lambda a: a.clamp(0, 6), "TANH": torch.tanh,
+              "LOGISTIC": torch.sigmoid, "LEAKY_RELU": lambda a: F.leaky_relu(a, o.get("alpha", 0.2))}
+    if t in simple:
+        return simple[t](x[0])
+    binary = {"ADD": torch.add, "SUB": torch.sub, "MUL": torch.mul, "DIV": torch.div}
+    if t in binary:
+        return act(binary[t](x[0], x[1]))
+    if t == "CONCATENATION":
+        return act(torch.cat(x, dim=o.get("axis", 0)))
+    if t == "PAD":
+        pads = g.tensors[op.inputs[1]].data
+        return F.pad(x[0], tuple(int(p) for pair in pads[::-1] for p in pair))
+    if t == "TRANSPOSE":
+        return x[0].permute(*[int(p) for p in g.tensors[op.inputs[1]].data])
+    if t == "BATCH_MATMUL":
+        a = x[0].transpose(-1, -2) if o.get("adj_x") else x[0]
+        b = x[1].transpose(-1, -2) if o.get("adj_y") else x[1]
+        return a @ b
+    raise NotImplementedError(t)
+
+
+def keras_loss(y, logits, t, loss: str, final: str | None):
+    """Keras 3's per-sample losses; from logits where Keras uses them (softmax/sigmoid outputs)."""
+    if loss in ("cce", "sparse_cce"):
+        if loss == "sparse_cce":
+            t = F.one_hot(t.long().reshape(-1), y.shape[-1]).to(y.dtype)
+        if final == "SOFTMAX":
+            return -(t * torch.log_softmax(logits, dim=-1)).sum(-1)
+        p = (y / y.sum(-1, keepdim=True)).clamp(1e-7, 1 - 1e-7)
+        return -(t * torch.log(p)).sum(-1)
+    if loss == "bce":
+        if final == "LOGISTIC":
+            return F.binary_cross_entropy_with_logits(logits, t, reduction="none").mean(-1)
+        p = y.clamp(1e-7, 1 - 1e-7)
+        return -(t * torch.log(p) + (1 - t) * torch.log(1 - p)).mean(-1)
+    if loss == "mse":
+        return ((y - t) ** 2).mean(-1)
+    return (y - t).abs().mean(-1)
+
+
+def reference_gradients(g: Graph, weights: dict[int, np.ndarray], inputs, target,
+                        loss: str, reduction: str = "mean"):
+    """(loss, {tensor: gradient}) in float64 for the trainable `weights`."""
+    v = {t.index: torch.tensor(np.asarray(t.data, np.float64)) for t in g.tensors
+         if t.data is not None and np.issubdtype(t.data.dtype, np.floating)}
+    params = {i: torch.tensor(np.asarray(w, np.float64), requires_grad=True) for i, w in weights.items()}
+    v.update(params)
+    for i, x in zip(g.inputs, inputs):
+        v[i] = torch.tensor(np.asarray(x, np.float64))
+    last = {}
+    for op in g.ops:
+        v[op.outputs[0]] = run_op(op, v, g)
+        last[op.outputs[0]] = op
+    out = g.outputs[0]
+    final = last[out].type if last[out].type in ("SOFTMAX", "LOGISTIC") else None
+    logits = v[last[out].inputs[0]] if final else None
+    if final == "SOFTMAX":
+        logits = logits * last[out].options.get("beta", 1.0)
+    per_sample = keras_loss(v[out], logits, torch.tensor(np.asarray(target, np.float64)), loss, final)
+    total = per_sample.sum() / (per_sample.shape[0] if reduction == "mean" else 1)
+    total.backward()
+    return float(total), {i: p.grad.numpy() for i, p in params.items()}
+

@@ -1,0 +1,189 @@
+"""Derive the backpropagation graph of a forward graph.
+
+The backprop graph is a Graph of its own.  Forward tensors it reads (activations,
+weights, model outputs) become its inputs, linked by index to the forward graph;
+the training targets are inputs too; its outputs are the loss and one gradient
+per trainable tensor.  See schemas/backprop.md.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from microtrain.errors import UserError
+from microtrain.graph import BATCH, Graph, Op, Tensor
+
+from .gradients import RULES
+
+LOSSES = ("cce", "sparse_cce", "bce", "mse", "mae")
+REDUCTIONS = ("mean", "sum")
+# A final activation whose logits the loss can use directly (stable gradient).
+LOGITS_OF = {"cce": "SOFTMAX", "sparse_cce": "SOFTMAX", "bce": "LOGISTIC"}
+FLOAT32 = np.dtype(np.float32)
+
+
+@dataclass
+class Backprop:
+    graph: Graph
+    forward_links: dict[int, int]  # backprop tensor -> forward tensor it aliases
+    targets: list[int]  # backprop target tensors, one per model output
+    loss: int
+    gradients: list[tuple[int, int]]  # (backprop tensor, trainable forward tensor)
+    activations: list[int] = field(default_factory=list)  # forward activations read
+
+
+class Builder:
+    """Appends tensors and operators to the backprop graph under construction."""
+
+    def __init__(self, fwd: Graph):
+        self.fwd = fwd
+        self.tensors: list[Tensor] = []
+        self.ops: list[Op] = []
+        self.links: dict[int, int] = {}  # forward tensor -> backprop tensor
+
+    def tensor(self, name: str, shape, dtype=FLOAT32, data=None) -> int:
+        self.tensors.append(Tensor(len(self.tensors), name, tuple(shape), np.dtype(dtype), data))
+        return len(self.tensors) - 1
+
+    def forward(self, t: int) -> int:
+        """The backprop input that aliases forward tensor t."""
+        if t not in self.links:
+            src = self.fwd.tensors[t]
+            self.links[t] = self.tensor(src.name, src.shape, src.dtype)
+        return self.links[t]
+
+    def constant_of(self, t: int) -> np.ndarray:
+        data = self.fwd.tensors[t].data
+        if data is None:
+            raise UserError(None, f"tensor {t} ({self.fwd.tensors[t].name}) must be a constant")
+        return data
+
+    def const(self, array: np.ndarray, name: str) -> int:
+        return self.tensor(f"const/{name}_{len(self.tensors)}", array.shape, array.dtype, array)
+
+    def emit_many(self, type_: str, inputs: list[int], shapes, names, **options) -> list[int]:
+        outputs = [self.tensor(n, s) for n, s in zip(names, shapes)]
+        self.ops.append(Op(len(self.ops), type_, list(inputs), outputs, options))
+        return outputs
+
+    def emit(self, type_: str, inputs: list[int], like: int | None = None,
+             like_tensor: int | None = None, shape=None, **options) -> int:
+        """One operator with one output shaped like a forward tensor, a backprop
+        tensor, or an explicit shape."""
+        if like is not None:
+            shape, name = self.fwd.tensors[like].shape, f"grad/{self.fwd.tensors[like].name}"
+        else:
+            shape = self.tensors[like_tensor].shape if shape is None else shape
+            name = f"{type_.lower()}_{len(self.ops)}"
+        return self.emit_many(type_, inputs, [shape], [name], **options)[0]
+
+    def shape_of(self, t: int) -> tuple[int, ...]:
+        return self.tensors[t].shape
+
+    def reshape(self, dy: int, x: int) -> int:
+        shape = self.fwd.tensors[x].shape
+        if self.shape_of(dy) == shape:
+            return dy
+        return self.emit("RESHAPE", [dy, self.const(np.array(shape, np.int32), "shape")], like=x)
+
+    def sum_to(self, dz: int, x: int) -> int:
+        """dz reduced over broadcast axes to the shape of forward tensor x."""
+        if self.shape_of(dz) == self.fwd.tensors[x].shape:
+            return dz
+        return self.emit("SumToShape", [dz], like=x)
+
+    def slice(self, dz: int, begin: list[int], x: int) -> int:
+        size = [d if d != BATCH else -1 for d in self.fwd.tensors[x].shape]
+        return self.emit("SLICE", [dz, self.const(np.array(begin, np.int32), "begin"),
+                                   self.const(np.array(size, np.int32), "size")], like=x)
+
+    def accumulate(self, contributions: list[int], name: str) -> int:
+        """The sum of every gradient contribution to one tensor (branches meet here)."""
+        if len(contributions) == 1:
+            return contributions[0]
+        return self.emit_many("ADD_N", contributions, [self.shape_of(contributions[0])],
+                              [f"accum/{name}"])[0]
+
+
+def requires_grad(fwd: Graph, trainable: set[int]) -> set[int]:
+    """Tensors whose value depends on a trainable tensor."""
+    needed = set(trainable)
+    for op in fwd.ops:
+        if any(t in needed for t in op.inputs):
+            needed.update(op.outputs)
+    return needed
+
+
+def _seed_loss(b: Builder, loss: str, reduction: str, skip: set[int],
+               grads: dict[int, list[int]]) -> tuple[int, list[int]]:
+    """Loss operators on every model output; returns the loss tensor and targets."""
+    producers = b.fwd.producers()
+    losses, targets = [], []
+    for out in b.fwd.outputs:
+        y = b.fwd.tensors[out]
+        tshape = y.shape[:-1] if loss == "sparse_cce" else y.shape
+        target = b.tensor(f"target/{y.name}", tshape)
+        targets.append(target)
+        final = producers.get(out)
+        if final is not None and LOGITS_OF.get(loss) == final.type:
+            z = final.inputs[0]
+            options = dict(activation=final.type.lower(), loss=loss, reduction=reduction)
+            if final.type == "SOFTMAX":
+                options["beta"] = float(final.options.get("beta", 1.0))
+            value, dz = b.emit_many("LogitsLoss", [b.forward(z), target], [(1,), b.fwd.tensors[z].shape],
+                                    [f"loss/{y.name}", f"grad/{b.fwd.tensors[z].name}"], **options)
+            skip.add(final.index)
+            grads.setdefault(z, []).append(dz)
+        else:
+            value, dy = b.emit_many("Loss", [b.forward(out), target], [(1,), y.shape],
+                                    [f"loss/{y.name}", f"grad/{y.name}"], loss=loss, reduction=reduction)
+            grads.setdefault(out, []).append(dy)
+        losses.append(value)
+    total = losses[0] if len(losses) == 1 else \
+        b.emit_many("ADD_N", losses, [(1,)], ["loss/total"])[0]
+    return total, targets
+
+
+def unsupported(op: Op) -> UserError:
+    supported = ", ".join(sorted(RULES))
+    return UserError(None, f"operator {op.index} ({op.type}) is on the gradient path but has no "
+                           f"gradient rule; supported: {supported}")
+
+
+def build_backprop(fwd: Graph, trainable: list[int], loss: str, reduction: str) -> Backprop:
+    needed = requires_grad(fwd, set(trainable))
+    b = Builder(fwd)
+    grads: dict[int, list[int]] = {}
+    skip: set[int] = set()
+    loss_tensor, targets = _seed_loss(b, loss, reduction, skip, grads)
+    for op in reversed(fwd.ops):
+        if op.index in skip or op.outputs[0] not in grads:
+            continue
+        needs = [t >= 0 and t in needed for t in op.inputs]
+        if not any(needs):
+            continue
+        if op.type not in RULES:
+            raise unsupported(op)
+        dy = b.accumulate(grads[op.outputs[0]], fwd.tensors[op.outputs[0]].name)
+        for t, g in zip(op.inputs, RULES[op.type](b, op, dy, needs)):
+            if g is not None:
+                grads.setdefault(t, []).append(g)
+    gradients = [(_own_gradient(b, grads, w), w) for w in trainable]
+    activations = [f for f in b.links if f not in trainable]
+    graph = Graph(b.tensors, b.ops, list(b.links.values()) + targets,
+                  [loss_tensor] + [g for g, _ in gradients])
+    return Backprop(graph, {v: k for k, v in b.links.items()}, targets, loss_tensor, gradients,
+                    activations)
+
+
+def _own_gradient(b: Builder, grads: dict[int, list[int]], w: int) -> int:
+    """A tensor holding only w's gradient (the runtime lays gradients out in one flat buffer)."""
+    name = b.fwd.tensors[w].name
+    if w not in grads:
+        raise UserError(None, f"trainable tensor {w} ({name}) does not reach the loss")
+    g = b.accumulate(grads[w], name)
+    produced_for_w = any(g in op.outputs for op in b.ops) and \
+        all(g not in op.inputs for op in b.ops)
+    if produced_for_w:
+        return g
+    shape = np.array(b.fwd.tensors[w].shape, np.int32)
+    return b.emit("RESHAPE", [g, b.const(shape, "shape")], like=w)

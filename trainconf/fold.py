@@ -1,0 +1,63 @@
+"""Fold shape-computing chains into constants.
+
+The TFLite converter turns a dynamic-batch Flatten into SHAPE -> STRIDED_SLICE ->
+PACK -> RESHAPE.  Those ops compute on shapes, not data, so their results are
+known at split time once the batch dimension is written as -1 (which RESHAPE
+accepts as "infer this dimension").
+"""
+import numpy as np
+
+from microtrain.errors import UserError
+from microtrain.graph import Graph, Op
+
+
+def _shape(g: Graph, op: Op, values):
+    return np.array(g.tensors[op.inputs[0]].shape, np.int32)
+
+
+def _strided_slice(g: Graph, op: Op, values):
+    x, begin, end, strides = (values[t] for t in op.inputs)
+    o = op.options
+    if x.ndim != 1 or o.get("ellipsis_mask") or o.get("new_axis_mask"):
+        raise ValueError("only 1-D strided slices of shapes fold")
+    start = None if o.get("begin_mask", 0) & 1 else int(begin[0])
+    stop = None if o.get("end_mask", 0) & 1 else int(end[0])
+    if o.get("shrink_axis_mask", 0) & 1:
+        return np.array(x[int(begin[0])], x.dtype)
+    return x[start:stop:int(strides[0])]
+
+
+def _pack(g: Graph, op: Op, values):
+    return np.stack([values[t] for t in op.inputs], axis=op.options.get("axis", 0))
+
+
+def _concatenation(g: Graph, op: Op, values):
+    return np.concatenate([values[t] for t in op.inputs], axis=op.options.get("axis", 0))
+
+
+FOLDABLE = {"SHAPE": _shape, "STRIDED_SLICE": _strided_slice, "PACK": _pack,
+            "CONCATENATION": _concatenation}
+
+
+def fold_shape_chains(g: Graph) -> tuple[set[int], dict[int, np.ndarray]]:
+    """Ops to delete and the constant value of each tensor they produced that
+    a remaining op reads."""
+    values = {t.index: t.data for t in g.tensors if t.data is not None}
+    folded: set[int] = set()
+    for op in g.ops:
+        fn = FOLDABLE.get(op.type)
+        known = op.type == "SHAPE" or all(t in values for t in op.inputs if t >= 0)
+        if fn is None or not known or (op.type == "CONCATENATION" and not _ints(values, op)):
+            continue
+        try:
+            values[op.outputs[0]] = fn(g, op, values)
+        except ValueError as e:
+            raise UserError(None, f"operator {op.index} ({op.type}) cannot be folded: {e}")
+        folded.add(op.index)
+    read = {t for op in g.ops if op.index not in folded for t in op.inputs}
+    produced = {t for i in folded for t in g.ops[i].outputs}
+    return folded, {t: values[t] for t in produced & read}
+
+
+def _ints(values, op: Op) -> bool:
+    return all(np.issubdtype(values[t].dtype, np.integer) for t in op.inputs)

@@ -1,0 +1,53 @@
+"""Choose which weights train: `all`, `last:N` weighted ops from the output, or names."""
+from microtrain.errors import UserError
+from microtrain.graph import Graph, Op
+
+WEIGHTED = {"FULLY_CONNECTED", "CONV_2D", "DEPTHWISE_CONV_2D"}
+
+
+def weighted_ops(g: Graph) -> list[Op]:
+    """Ops with a constant weight input, in execution order."""
+    return [op for op in g.ops if op.type in WEIGHTED and g.tensors[op.inputs[1]].data is not None]
+
+
+def _weights_of(op: Op, freeze_bias: bool) -> list[int]:
+    keep = op.inputs[1:2] if freeze_bias else op.inputs[1:3]
+    return [t for t in keep if t >= 0]
+
+
+def _named(g: Graph, ops: list[Op], names: list[str], freeze_bias: bool) -> list[int]:
+    by_name: dict[str, list[int]] = {}
+    for op in ops:
+        by_name.setdefault(g.tensors[op.outputs[0]].name, []).extend(_weights_of(op, freeze_bias))
+        for t in _weights_of(op, False):
+            by_name.setdefault(g.tensors[t].name, []).append(t)
+    chosen: list[int] = []
+    for name in names:
+        if name not in by_name:
+            known = ", ".join(sorted(by_name))
+            raise UserError(None, f"--trainable: no weighted op or weight named {name!r}; "
+                                  f"names: {known}")
+        chosen.extend(t for t in by_name[name] if t not in chosen)
+    return chosen
+
+
+def select_trainable(g: Graph, spec: str, freeze_bias: bool = False) -> list[int]:
+    """Trainable tensor indices in execution order."""
+    ops = weighted_ops(g)
+    if not ops:
+        raise UserError(None, "the model has no weighted operator (FULLY_CONNECTED, CONV_2D, "
+                              "DEPTHWISE_CONV_2D) with constant weights to train")
+    if spec == "all":
+        chosen = [t for op in ops for t in _weights_of(op, freeze_bias)]
+    elif spec.startswith("last:"):
+        try:
+            n = int(spec[5:])
+        except ValueError:
+            n = 0
+        if not 1 <= n <= len(ops):
+            raise UserError(None, f"--trainable {spec}: N must be between 1 and {len(ops)}")
+        chosen = [t for op in ops[-n:] for t in _weights_of(op, freeze_bias)]
+    else:
+        chosen = _named(g, ops, [s.strip() for s in spec.split(",") if s.strip()], freeze_bias)
+    order = {t: i for i, t in enumerate(t for op in g.ops for t in op.inputs)}
+    return sorted(set(chosen), key=order.__getitem__)

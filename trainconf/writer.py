@@ -1,0 +1,81 @@
+"""Turn a Graph built by trainconf into a circle model, and edit constants in place."""
+import numpy as np
+
+from microtrain.format import circle_generated as circle
+from microtrain.format.model import add_operator_code, set_custom_options, set_metadata
+from microtrain.graph import BATCH, Graph
+
+# Builtin operators the backprop graph uses, with their options table.
+BUILTIN_OPTIONS = {"RESHAPE": "ReshapeOptions", "SLICE": "SliceOptions",
+                   "TRANSPOSE": "TransposeOptions", "MUL": "MulOptions", "DIV": "DivOptions",
+                   "NEG": "NegOptions", "ADD_N": "AddNOptions", "ADD": "AddOptions",
+                   "SUB": "SubOptions", "BATCH_MATMUL": "BatchMatMulOptions"}
+TENSOR_TYPES = {np.dtype(np.float32): circle.TensorType.FLOAT32,
+                np.dtype(np.float16): circle.TensorType.FLOAT16,
+                np.dtype(np.int32): circle.TensorType.INT32,
+                np.dtype(np.int64): circle.TensorType.INT64}
+
+
+def _camel(snake: str) -> str:
+    head, *rest = snake.split("_")
+    return head + "".join(w.capitalize() for w in rest)
+
+
+def _builtin_options(op_type: str, options: dict):
+    table = BUILTIN_OPTIONS[op_type]
+    obj = getattr(circle, f"{table}T")()
+    for key, value in options.items():
+        setattr(obj, _camel(key), value)
+    return getattr(circle.BuiltinOptions, table), obj
+
+
+def _buffer(model, array: np.ndarray) -> int:
+    model.buffers.append(circle.BufferT())
+    model.buffers[-1].data = np.frombuffer(np.ascontiguousarray(array).tobytes(), np.uint8)
+    return len(model.buffers) - 1
+
+
+def set_constant(model, t: int, value: np.ndarray) -> None:
+    """Give tensor t of the first subgraph the constant `value` in a buffer of its own."""
+    tensor = model.subgraphs[0].tensors[t]
+    value = np.asarray(value, dtype=np.int32) if tensor.type == circle.TensorType.INT32 else value
+    tensor.buffer = _buffer(model, value)
+    tensor.shape = list(value.shape)
+    tensor.shapeSignature = None
+
+
+def _tensor(model, t) -> "circle.TensorT":
+    out = circle.TensorT()
+    out.name = t.name
+    out.type = TENSOR_TYPES[t.dtype]
+    out.shape = [1 if d == BATCH else d for d in t.shape]
+    out.shapeSignature = list(t.shape) if BATCH in t.shape else None
+    out.buffer = 0 if t.data is None else _buffer(model, t.data)
+    return out
+
+
+def _operator(model, op) -> "circle.OperatorT":
+    out = circle.OperatorT()
+    out.opcodeIndex = add_operator_code(model, op.type)
+    out.inputs, out.outputs = list(op.inputs), list(op.outputs)
+    if op.type in BUILTIN_OPTIONS:
+        out.builtinOptionsType, out.builtinOptions = _builtin_options(op.type, op.options)
+    elif op.options:
+        set_custom_options(out, op.options)
+    return out
+
+
+def graph_to_model(g: Graph, description: str, metadata: dict[str, bytes]):
+    model = circle.ModelT()
+    model.version = 3
+    model.description = description
+    model.operatorCodes, model.buffers = [], [circle.BufferT()]  # buffer 0: the empty buffer
+    sg = circle.SubGraphT()
+    sg.name = "backprop"
+    sg.tensors = [_tensor(model, t) for t in g.tensors]
+    sg.operators = [_operator(model, op) for op in g.ops]
+    sg.inputs, sg.outputs = list(g.inputs), list(g.outputs)
+    model.subgraphs = [sg]
+    for name, data in metadata.items():
+        set_metadata(model, name, data)
+    return model
