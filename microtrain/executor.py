@@ -34,16 +34,16 @@ class Memory:
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         self.params = np.empty(offsets[-1], np.float32)  # fp32 master copy of all weights
         self.grads = np.zeros(offsets[-1], np.float32)
-        self.param_views = {}
+        self.param_views, self.grad_views = {}, {}
         for t, lo, hi in zip(trainable, offsets, offsets[1:]):
             self.param_views[t] = self.params[lo:hi].reshape(art.weights[t].shape)
             self.param_views[t][...] = art.weights[t]
+            self.grad_views[t] = self.grads[lo:hi].reshape(art.weights[t].shape)
         self.forward = self._allocate(art.forward, batch, self.param_views)
         self.backprop = None
         if art.backprop is not None:
             aliases = {b: self.forward[f] for b, f in art.links["forward"]}
-            for (g, t), lo, hi in zip(art.links["gradients"], offsets, offsets[1:]):
-                aliases[g] = self.grads[lo:hi].reshape(art.weights[t].shape)
+            aliases.update({g: self.grad_views[t] for g, t in art.links["gradients"]})
             self.backprop = self._allocate(art.backprop, batch, aliases)
 
     @staticmethod

@@ -72,31 +72,35 @@ class Trainer:
             self._plans[rows] = compile_plan(self.art, self.memory, rows)
         return self._plans[rows]
 
-    def _expect(self, arrays: Sequence[np.ndarray], views: list[np.ndarray], what: str) -> list:
+    def _expect(self, arrays: Sequence[np.ndarray], views: list[np.ndarray], what: str,
+                names: Sequence[str] | None) -> list:
         arrays = [np.asarray(a) for a in arrays]
         if len(arrays) != len(views):
             raise UserError(None, f"the model has {len(views)} {what}(s), got {len(arrays)}")
         for i, (a, v) in enumerate(zip(arrays, views)):
-            want = v.shape[1:]
-            got = a.shape[1:]
-            if what == "target" and got != want and got == want + (1,):
-                arrays[i] = a = a.reshape(a.shape[:-1])  # sparse labels given as [N, 1]
+            where = names[i] if names else f"{what} {i}"
+            want, got = v.shape[1:], a.shape[1:]
+            if what == "target" and got == want + (1,):
+                arrays[i] = a = a.reshape(a.shape[:-1])  # class ids given as [N, 1]
                 got = want
-            if got != want or a.ndim == 0:
-                raise UserError(None, f"{what} {i}: expected samples of shape {want}, "
-                                      f"found {got} (array of shape {a.shape})")
+            if a.ndim == 0 or got != want:
+                raise UserError(where, f"expected {what} samples of shape {want}, found "
+                                       f"{got} (array of shape {a.shape})")
             if not np.issubdtype(a.dtype, np.number):
-                raise UserError(None, f"{what} {i}: expected numbers, found dtype {a.dtype}")
+                raise UserError(where, f"expected numbers, found dtype {a.dtype}")
             if not np.all(np.isfinite(a)):
-                raise UserError(None, f"{what} {i}: contains NaN or inf")
+                raise UserError(where, "contains NaN or inf")
         if len({len(a) for a in arrays}) > 1:
-            raise UserError(None, f"{what}s have different sample counts")
+            raise UserError(None, f"the {what}s have different sample counts")
         return arrays
 
-    def _check_data(self, inputs, targets=None) -> tuple[list, list]:
+    def check_data(self, inputs, targets=None, names: tuple | None = None) -> tuple[list, list]:
+        """Inputs and targets as arrays that fit the model; `names` (input names, target
+        names) name them in errors, e.g. their files."""
+        names = names or (None, None)
         plan = self._plan(self.batch_size)
-        xs = self._expect(inputs, plan.inputs, "input")
-        ts = [] if targets is None else self._expect(targets, plan.targets, "target")
+        xs = self._expect(inputs, plan.inputs, "input", names[0])
+        ts = [] if targets is None else self._expect(targets, plan.targets, "target", names[1])
         if ts and len(ts[0]) != len(xs[0]):
             raise UserError(None, f"{len(xs[0])} input samples but {len(ts[0])} target samples")
         return xs, ts
@@ -147,17 +151,19 @@ class Trainer:
         """Train until `epochs` epochs are done (counting those already done);
         returns one record per epoch trained now.  `progress(length, label)`, if
         given, makes a progress bar (a context manager with `update(n)`)."""
-        xs, ts = self._check_data(inputs, targets)
+        xs, ts = self.check_data(inputs, targets)
         if self.batch_size > len(xs[0]):
             raise UserError(None, f"--batch-size {self.batch_size} is larger than the data set "
                                   f"({len(xs[0])} samples)")
-        test_data = self._check_data(*test) if test else None
+        test_data = self.check_data(*test) if test else None
         rng = rng if rng is not None else np.random.default_rng(seed)
         history = []
         while self.epoch < epochs:
             snapshot = self.memory.params.copy()
             try:
-                record = self._epoch_with_progress(xs, ts, shuffle, rng, progress)
+                # overflow is caught by the finite-loss check, not reported per kernel
+                with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                    record = self._epoch_with_progress(xs, ts, shuffle, rng, progress)
             except Diverged as e:
                 if not np.all(np.isfinite(self.memory.params)):
                     self.memory.params[...] = snapshot
@@ -178,6 +184,17 @@ class Trainer:
         with progress(len(xs[0]), f"epoch {self.epoch + 1}") as bar:
             return self.train_epoch(xs, ts, shuffle, rng, bar.update)
 
+    def gradients(self, inputs, targets) -> tuple[float, dict[int, np.ndarray]]:
+        """Loss and gradients of every trainable tensor on one batch, without an update."""
+        xs, ts = self.check_data(inputs, targets)
+        if len(xs[0]) > self.batch_size:
+            raise UserError(None, f"{len(xs[0])} samples do not fit one batch of {self.batch_size}")
+        plan = self._plan(len(xs[0]))
+        self._load(plan, xs, ts, np.arange(len(xs[0])))
+        plan.run_forward()
+        plan.run_backward()
+        return float(plan.loss[0]), {t: g.copy() for t, g in self.memory.grad_views.items()}
+
     # -- evaluation ---------------------------------------------------------------------------
     def _batches(self, n: int):
         for start in range(0, n, self.batch_size):
@@ -185,7 +202,7 @@ class Trainer:
 
     def evaluate(self, inputs, targets, checked: bool = False) -> dict:
         """Loss and metric over a whole data set, in batches of the training batch size."""
-        xs, ts = (inputs, targets) if checked else self._check_data(inputs, targets)
+        xs, ts = (inputs, targets) if checked else self.check_data(inputs, targets)
         if self.art.backprop is None:
             raise UserError(self.art.frozen_path, "evaluation needs the backprop graph (its loss)")
         totals = Totals()
@@ -199,7 +216,7 @@ class Trainer:
                 "samples": totals.samples}
 
     def predict(self, inputs) -> list[np.ndarray]:
-        xs, _ = self._check_data(inputs)
+        xs, _ = self.check_data(inputs)
         n = len(xs[0])
         plan = self._plan(self.batch_size)
         outs = [np.empty((n,) + o.shape[1:], np.float32) for o in plan.outputs]

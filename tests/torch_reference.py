@@ -55,7 +55,7 @@ def pool(x, o, kind):
 
 
 def run_op(op, v, g: Graph):
-    x = [v[i] if i >= 0 else None for i in op.inputs]
+    x = [v.get(i) for i in op.inputs]  # integer constants are read from the graph
     o = op.options
     act = ACT[o.get("fused_activation_function", 0)]
     t = op.type
@@ -137,5 +137,5 @@ def reference_gradients(g: Graph, weights: dict[int, np.ndarray], inputs, target
     per_sample = keras_loss(v[out], logits, torch.tensor(np.asarray(target, np.float64)), loss, final)
     total = per_sample.sum() / (per_sample.shape[0] if reduction == "mean" else 1)
     total.backward()
-    return float(total), {i: p.grad.numpy() for i, p in params.items()}
+    return float(total.detach()), {i: p.grad.numpy() for i, p in params.items()}
 

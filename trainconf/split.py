@@ -142,6 +142,7 @@ def _split(model, model_path, out_dir, trainable, loss, reduction, freeze_bias) 
     backprop_model = graph_to_model(bp.graph, "microtrain backprop graph",
                                     {BACKPROP_META: json.dumps(_backprop_meta(bp, frozen_bytes)).encode()})
     frozen_path, wof_path, backprop_path = output_paths(model_path, out_dir)
+    frozen_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(frozen_path, frozen_bytes)
     atomic_write(wof_path, wof_to_bytes(len(g.tensors), arrays))
     atomic_write(backprop_path, model_to_bytes(backprop_model))

@@ -2,14 +2,21 @@
 import numpy as np
 
 from microtrain.format import circle_generated as circle
-from microtrain.format.model import add_operator_code, set_custom_options, set_metadata
+from microtrain.format.model import (add_operator_code, set_builtin_options, set_custom_options,
+                                    set_metadata)
 from microtrain.graph import BATCH, Graph
 
-# Builtin operators the backprop graph uses, with their options table.
+# Builtin operators trainconf writes, with their options table.
 BUILTIN_OPTIONS = {"RESHAPE": "ReshapeOptions", "SLICE": "SliceOptions",
                    "TRANSPOSE": "TransposeOptions", "MUL": "MulOptions", "DIV": "DivOptions",
                    "NEG": "NegOptions", "ADD_N": "AddNOptions", "ADD": "AddOptions",
-                   "SUB": "SubOptions", "BATCH_MATMUL": "BatchMatMulOptions"}
+                   "SUB": "SubOptions", "BATCH_MATMUL": "BatchMatMulOptions",
+                   "CONV_2D": "Conv2DOptions", "DEPTHWISE_CONV_2D": "DepthwiseConv2DOptions",
+                   "MAX_POOL_2D": "Pool2DOptions", "AVERAGE_POOL_2D": "Pool2DOptions",
+                   "FULLY_CONNECTED": "FullyConnectedOptions", "SOFTMAX": "SoftmaxOptions",
+                   "CONCATENATION": "ConcatenationOptions", "PAD": "PadOptions",
+                   "MEAN": "ReducerOptions", "SQUEEZE": "SqueezeOptions",
+                   "LEAKY_RELU": "LeakyReluOptions"}
 TENSOR_TYPES = {np.dtype(np.float32): circle.TensorType.FLOAT32,
                 np.dtype(np.float16): circle.TensorType.FLOAT16,
                 np.dtype(np.int32): circle.TensorType.INT32,
@@ -22,11 +29,10 @@ def _camel(snake: str) -> str:
 
 
 def _builtin_options(op_type: str, options: dict):
-    table = BUILTIN_OPTIONS[op_type]
-    obj = getattr(circle, f"{table}T")()
+    table = getattr(circle, f"{BUILTIN_OPTIONS[op_type]}T")()
     for key, value in options.items():
-        setattr(obj, _camel(key), value)
-    return getattr(circle.BuiltinOptions, table), obj
+        setattr(table, _camel(key), value)
+    return table
 
 
 def _buffer(model, array: np.ndarray) -> int:
@@ -59,7 +65,7 @@ def _operator(model, op) -> "circle.OperatorT":
     out.opcodeIndex = add_operator_code(model, op.type)
     out.inputs, out.outputs = list(op.inputs), list(op.outputs)
     if op.type in BUILTIN_OPTIONS:
-        out.builtinOptionsType, out.builtinOptions = _builtin_options(op.type, op.options)
+        set_builtin_options(out, _builtin_options(op.type, op.options))
     elif op.options:
         set_custom_options(out, op.options)
     return out

@@ -1,0 +1,169 @@
+"""The `microtrain` command line: a thin layer over microtrain.session."""
+import sys
+
+import click
+
+from . import session
+from .cli_common import CommandGroup, print_json
+from .metrics import METRICS
+from .optimizers import DEFAULTS as OPTIMIZER_DEFAULTS, OPTIMIZERS
+from .schedules import DEFAULTS as SCHEDULE_DEFAULTS, SCHEDULES
+
+
+def _defaults_text(table: dict) -> str:
+    return "; ".join(f"{name}: " + (", ".join(f"{k}={v}" for k, v in opts.items()) or "-")
+                     for name, opts in table.items())
+
+
+def _shapes(ctx, param, texts) -> tuple:
+    """Parse repeated shape options like 8,8,1 (or 8x8x1)."""
+    try:
+        return tuple(tuple(int(d) for d in t.replace("x", ",").split(",") if d.strip())
+                     for t in texts)
+    except ValueError:
+        raise click.BadParameter(f"{texts} are not shapes like 8,8,1") from None
+
+
+def model_files(fn):
+    fn = click.option("--backprop", type=click.Path(dir_okay=False),
+                      help="Backprop graph. Default: STEM.backprop.circle beside the frozen model.")(fn)
+    fn = click.option("--wof", type=click.Path(dir_okay=False),
+                      help="Weights file. Default: STEM.wof beside the frozen model.")(fn)
+    return click.argument("frozen", type=click.Path(dir_okay=False))(fn)
+
+
+def data_options(fn):
+    options = [
+        click.option("--input", "inputs", multiple=True, required=True,
+                     help="Input samples: X.npy, X.npz:KEY or raw float32 X.bin. Repeat for "
+                          "a model with several inputs, in the model's input order."),
+        click.option("--input-shape", "input_shapes", multiple=True, callback=_shapes,
+                     help="Shape of one sample of a raw .bin input, e.g. 8,8,1 (one per --input)."),
+        click.option("--batch-size", default=32, show_default=True, type=click.IntRange(1),
+                     help="Samples per step; a partial last batch is used, not dropped."),
+        click.option("--json", "as_json", is_flag=True,
+                     help="Print JSON only on stdout (one object per line)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def target_options(fn):
+    fn = click.option("--target-shape", "target_shapes", multiple=True, callback=_shapes,
+                      help="Shape of one sample of a raw .bin target (one per --target).")(fn)
+    fn = click.option("--target", "targets", multiple=True, required=True,
+                      help="Target samples, same formats as --input; one per model output.")(fn)
+    return fn
+
+
+@click.group(cls=CommandGroup)
+@click.version_option(package_name="trainconf-microtrain")
+def main():
+    """microtrain: train on the device from the files written by `trainconf split`
+    (STEM.frozen.circle, STEM.wof, STEM.backprop.circle)."""
+
+
+@main.command()
+@model_files
+@data_options
+@target_options
+@click.option("--test-input", "test_inputs", multiple=True,
+              help="Test-set inputs (formats as --input); used for the per-epoch test loss and to "
+                   "decide whether the weights improved.")
+@click.option("--test-target", "test_targets", multiple=True, help="Test-set targets.")
+@click.option("--validation-split", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              help="Hold out this last fraction of the training data as the test set (as Keras).")
+@click.option("--epochs", default=5, show_default=True, type=click.IntRange(1), help="Epochs to train.")
+@click.option("--shuffle/--no-shuffle", default=True, show_default=True,
+              help="Shuffle the training samples every epoch.")
+@click.option("--seed", type=int, help="Seed of the shuffling order. Default: random.")
+@click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adam", show_default=True,
+              help="Update rule, as Keras 3's. Defaults: " + _defaults_text(OPTIMIZER_DEFAULTS))
+@click.option("--learning-rate", type=float, help="Base learning rate. Default: the optimizer's.")
+@click.option("--momentum", type=float, help="Momentum (sgd, momentum, nesterov, rmsprop).")
+@click.option("--beta1", "beta_1", type=float, help="First-moment decay (adam, adamw, adamax, nadam).")
+@click.option("--beta2", "beta_2", type=float, help="Second-moment decay (adam, adamw, adamax, nadam).")
+@click.option("--epsilon", type=float, help="Numerical-stability epsilon.")
+@click.option("--rho", type=float, help="Squared-gradient decay (rmsprop).")
+@click.option("--weight-decay", type=float,
+              help="Decoupled weight decay, w -= w * weight_decay * lr before each update.")
+@click.option("--lr-schedule", type=click.Choice(SCHEDULES), default="constant", show_default=True,
+              help="Learning-rate schedule over optimizer steps. Parameter defaults: "
+                   + _defaults_text(SCHEDULE_DEFAULTS))
+@click.option("--decay-steps", type=click.IntRange(1), help="Schedule: steps per decay / cosine length.")
+@click.option("--decay-rate", type=float, help="Schedule step: factor applied every decay-steps.")
+@click.option("--alpha", type=float, help="Schedule cosine/linear-warmup: final fraction of the lr.")
+@click.option("--warmup-steps", type=click.IntRange(1), help="Schedule linear-warmup: warm-up steps.")
+@click.option("--warmup-start", type=float, help="Schedule linear-warmup: lr at step 0.")
+@click.option("--metric", type=click.Choice(list(METRICS)),
+              help="Metric to report. Default: accuracy for cross-entropy losses, else the loss kind.")
+@click.option("--checkpoint", type=click.Path(dir_okay=False),
+              help="Save weights, optimizer and RNG state here after every epoch.")
+@click.option("--resume", is_flag=True, help="Continue from --checkpoint.")
+@click.option("--output-wof", type=click.Path(dir_okay=False),
+              help="Write the trained weights here. Default: overwrite the input .wof.")
+@click.option("--save", type=click.Choice(["improved", "always", "never"]), default="improved",
+              show_default=True,
+              help="improved: write the weights only if the test metric (the training metric "
+                   "without a test set) is better than with the starting weights.")
+def run(**kw):
+    """Train FROZEN with its .wof and backprop graph; write the improved weights back."""
+    as_json = kw["as_json"]
+    summary = session.run(**kw, on_epoch=_epoch_printer(as_json, kw["epochs"]),
+                          progress=_progress if sys.stderr.isatty() and not as_json else None)
+    if as_json:
+        print_json(summary)
+    else:
+        click.echo(summary["message"])
+
+
+def _epoch_printer(as_json: bool, epochs: int):
+    def show(record: dict) -> None:
+        if as_json:
+            print_json(record)
+            return
+        parts = [f"Epoch {record['epoch']}/{epochs}", f"{record['ms_per_step']:.3f} ms/step"]
+        parts += [f"{k}: {v:.4f}" for k, v in record.items()
+                  if k not in ("epoch", "ms_per_step") and isinstance(v, float)]
+        click.echo(" - ".join(parts))
+    return show
+
+
+def _progress(length: int, label: str):
+    return click.progressbar(length=length, label=label, file=sys.stderr)
+
+
+@main.command(name="eval")
+@model_files
+@data_options
+@target_options
+@click.option("--metric", type=click.Choice(list(METRICS)), help="Metric to report (as for run).")
+def evaluate(**kw):
+    """Loss and metric of FROZEN + .wof on a data set."""
+    result = session.evaluate(**kw)
+    if kw["as_json"]:
+        print_json(result)
+    else:
+        click.echo(" - ".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}"
+                              for k, v in result.items()))
+
+
+@main.command()
+@click.argument("frozen", type=click.Path(dir_okay=False))
+@click.option("--wof", type=click.Path(dir_okay=False),
+              help="Weights file. Default: STEM.wof beside the frozen model.")
+@data_options
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Where to write the outputs: OUT.npy (one output) or OUT.npz (several).")
+def infer(**kw):
+    """Run FROZEN + .wof forward on the inputs and save the outputs."""
+    result = session.infer(**kw)
+    if kw["as_json"]:
+        print_json(result)
+    else:
+        click.echo(f"wrote {result['samples']} outputs to {result['output']}")
+
+
+if __name__ == "__main__":
+    main()

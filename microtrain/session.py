@@ -1,0 +1,151 @@
+"""The commands of microtrain as Python functions (the CLI only parses and prints)."""
+import io
+from pathlib import Path
+
+import numpy as np
+
+from .atomic import atomic_write
+from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from .data import load_array, validation_split
+from .errors import UserError
+from .trainer import Trainer
+
+OPTIMIZER_KEYS = ("learning_rate", "momentum", "beta_1", "beta_2", "epsilon", "rho", "weight_decay")
+SCHEDULE_KEYS = ("decay_steps", "decay_rate", "alpha", "warmup_steps", "warmup_start")
+
+
+def load_data(specs, shapes=()) -> list[np.ndarray]:
+    if shapes and len(shapes) != len(specs):
+        raise UserError(None, f"{len(shapes)} sample shapes given for {len(specs)} data files")
+    return [load_array(spec, shapes[i] if shapes else None) for i, spec in enumerate(specs)]
+
+
+def _test_set(kw, xs, ts):
+    if kw.get("validation_split"):
+        if kw.get("test_inputs"):
+            raise UserError(None, "give either --validation-split or --test-input, not both")
+        (train, test) = validation_split(xs + ts, kw["validation_split"])
+        n = len(xs)
+        return train[:n], train[n:], (test[:n], test[n:])
+    if kw.get("test_inputs"):
+        test = (load_data(kw["test_inputs"], kw.get("input_shapes", ())),
+                load_data(kw.get("test_targets", ()), kw.get("target_shapes", ())))
+        return xs, ts, test
+    return xs, ts, None
+
+
+def _given(kw, keys) -> dict:
+    return {k: kw[k] for k in keys if kw.get(k) is not None}
+
+
+def _checkpoint_of(trainer: Trainer, rng: np.random.Generator, baseline: dict) -> Checkpoint:
+    opt = trainer.optimizer
+    return Checkpoint(params=trainer.memory.params.copy(), optimizer=trainer.optimizer_name,
+                      optimizer_config=opt.config(), optimizer_state=opt.state(),
+                      iterations=opt.iterations, epoch=trainer.epoch,
+                      rng_state=rng.bit_generator.state, loss_scale={},
+                      model_sha256=trainer.art.frozen_sha256, extra={"baseline": baseline})
+
+
+def _resume(trainer: Trainer, path, rng: np.random.Generator) -> dict:
+    ckpt = load_checkpoint(path, trainer.art.frozen_sha256)
+    if ckpt.optimizer != trainer.optimizer_name or ckpt.params.shape != trainer.memory.params.shape:
+        raise UserError(path, f"holds {ckpt.optimizer} state for {ckpt.params.size} parameters; "
+                              f"this run uses {trainer.optimizer_name} on "
+                              f"{trainer.memory.params.size}")
+    if ckpt.optimizer_config != trainer.optimizer.config():
+        raise UserError(path, f"was saved with {ckpt.optimizer} settings {ckpt.optimizer_config}; "
+                              f"this run uses {trainer.optimizer.config()}")
+    trainer.memory.params[...] = ckpt.params
+    try:
+        trainer.optimizer.load_state(ckpt.optimizer_state)
+    except ValueError as e:
+        raise UserError(path, str(e)) from None
+    trainer.optimizer.iterations = ckpt.iterations
+    trainer.epoch = ckpt.epoch
+    rng.bit_generator.state = ckpt.rng_state
+    return ckpt.extra["baseline"]
+
+
+def make_trainer(kw, with_backprop=True) -> Trainer:
+    return Trainer(kw["frozen"], kw.get("wof"), kw.get("backprop"), batch_size=kw["batch_size"],
+                   optimizer=kw.get("optimizer", "adam"),
+                   lr_schedule=kw.get("lr_schedule", "constant"),
+                   schedule_params=_given(kw, SCHEDULE_KEYS), metric=kw.get("metric"),
+                   with_backprop=with_backprop, **_given(kw, OPTIMIZER_KEYS))
+
+
+def run(on_epoch=None, progress=None, **kw) -> dict:
+    """Train as `microtrain run`; returns the summary."""
+    trainer = make_trainer(kw)
+    xs = load_data(kw["inputs"], kw.get("input_shapes", ()))
+    ts = load_data(kw["targets"], kw.get("target_shapes", ()))
+    xs, ts, test = _test_set(kw, xs, ts)
+    xs, ts = trainer.check_data(xs, ts, (kw["inputs"], kw["targets"]))
+    if test:
+        test = trainer.check_data(*test, (kw.get("test_inputs") or kw["inputs"],
+                                          kw.get("test_targets") or kw["targets"]))
+    judge = test or (xs, ts)
+    rng = np.random.default_rng(kw.get("seed"))
+    if kw.get("resume"):
+        if not kw.get("checkpoint"):
+            raise UserError(None, "--resume needs --checkpoint PATH")
+        baseline = _resume(trainer, kw["checkpoint"], rng)
+    else:
+        baseline = trainer.evaluate(*judge)
+
+    def epoch_done(record):
+        if kw.get("checkpoint"):
+            save_checkpoint(kw["checkpoint"], _checkpoint_of(trainer, rng, baseline))
+        if on_epoch:
+            on_epoch(record)
+
+    history = trainer.fit(xs, ts, epochs=kw["epochs"], shuffle=kw.get("shuffle", True),
+                          test=test, on_epoch=epoch_done, rng=rng, progress=progress)
+    final = trainer.evaluate(*judge)
+    return _save(trainer, kw, baseline, final, history, judged_on="test" if test else "train")
+
+
+def _save(trainer: Trainer, kw, baseline: dict, final: dict, history, judged_on: str) -> dict:
+    policy = kw.get("save", "improved")
+    improved = trainer.improved(baseline, final)
+    target = Path(kw.get("output_wof") or trainer.art.wof_path)
+    saved = policy == "always" or (policy == "improved" and improved)
+    if saved:
+        trainer.save_weights(target)
+    metric = trainer.metric
+    verdict = "improved" if improved else "did not improve"
+    message = (f"{judged_on} {metric} {verdict}: {baseline[metric]:.4f} -> {final[metric]:.4f}; "
+               + (f"weights written to {target}" if saved else "weights not written"))
+    return {"event": "summary", "epochs": trainer.epoch, "loss": trainer.art.training["loss"],
+            "optimizer": trainer.optimizer_name, "metric": metric, "judged_on": judged_on,
+            f"initial_{metric}": baseline[metric], f"final_{metric}": final[metric],
+            "initial_loss": baseline["loss"], "final_loss": final["loss"],
+            "improved": improved, "saved": saved, "wof": str(target) if saved else None,
+            "memory_bytes": trainer.memory_bytes(),
+            "history": [r["loss"] for r in history], "message": message}
+
+
+def evaluate(**kw) -> dict:
+    trainer = make_trainer(kw)
+    xs = load_data(kw["inputs"], kw.get("input_shapes", ()))
+    ts = load_data(kw["targets"], kw.get("target_shapes", ()))
+    result = trainer.evaluate(*trainer.check_data(xs, ts, (kw["inputs"], kw["targets"])))
+    return {"loss_function": trainer.art.training["loss"], **result}
+
+
+def infer(**kw) -> dict:
+    trainer = make_trainer(kw, with_backprop=False)
+    xs, _ = trainer.check_data(load_data(kw["inputs"], kw.get("input_shapes", ())),
+                               names=(kw["inputs"], None))
+    outputs = trainer.predict(xs)
+    out = Path(kw["output"])
+    buf = io.BytesIO()
+    if out.suffix == ".npz":
+        np.savez(buf, *outputs)
+    elif len(outputs) == 1:
+        np.save(buf, outputs[0])
+    else:
+        raise UserError(out, f"the model has {len(outputs)} outputs: write them to a .npz")
+    atomic_write(out, buf.getvalue())
+    return {"output": str(out), "samples": len(outputs[0]), "shapes": [list(o.shape) for o in outputs]}
