@@ -1,0 +1,117 @@
+"""The weight-only format (.wof): the trainable weights of a circle model.
+
+Layout (little-endian, see schemas/wof.md): uint16 magic 429, uint8 version 1,
+uint8 reserved 0, uint32 n_buffers (= tensors in the model's first subgraph),
+n_buffers uint32 offsets from the start of the file (0 = no data for that
+tensor), then each present tensor's raw data starting on a 16-byte boundary.
+"""
+import struct
+
+import numpy as np
+
+from ..atomic import atomic_write
+from ..errors import UserError
+from .model import int_list, tensor_dtype
+
+MAGIC = 429
+VERSION = 1
+ALIGN = 16
+_HEADER = struct.Struct("<HBBI")
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def wof_to_bytes(n_tensors: int, arrays: dict[int, np.ndarray]) -> bytes:
+    """Encode `arrays` (tensor index -> data) for a subgraph of `n_tensors` tensors."""
+    offsets, blobs = [0] * n_tensors, {}
+    size = _HEADER.size + 4 * n_tensors  # the file so far: header and offset table
+    for index in sorted(arrays):
+        if not 0 <= index < n_tensors:
+            raise ValueError(f"tensor index {index} outside 0..{n_tensors - 1}")
+        a = np.ascontiguousarray(arrays[index])
+        offsets[index] = _aligned(size)
+        blobs[offsets[index]] = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+        size = offsets[index] + len(blobs[offsets[index]])
+    out = bytearray(size)
+    _HEADER.pack_into(out, 0, MAGIC, VERSION, 0, n_tensors)
+    struct.pack_into(f"<{n_tensors}I", out, _HEADER.size, *offsets)
+    for offset, blob in blobs.items():
+        out[offset:offset + len(blob)] = blob
+    return bytes(out)
+
+
+def write_wof(path, n_tensors: int, arrays: dict[int, np.ndarray]) -> None:
+    atomic_write(path, wof_to_bytes(n_tensors, arrays))
+
+
+def read_wof(path, model) -> dict[int, np.ndarray]:
+    """Read and validate a .wof against `model`; arrays are writable, shaped
+    and typed as their tensors."""
+    with open(path, "rb") as f:
+        return wof_from_bytes(bytearray(f.read()), model, path)
+
+
+def wof_from_bytes(data: bytearray, model, path=None) -> dict[int, np.ndarray]:
+    tensors = model.subgraphs[0].tensors or []
+    offsets = _read_offsets(data, len(tensors), path)
+    spans = []
+    for index, offset in enumerate(offsets):
+        if offset:
+            spans.append((offset, _span_end(data, tensors, index, offset, path), index))
+    _check_overlaps(sorted(spans), tensors, path)
+    arrays = {}
+    for offset, _, index in spans:
+        t = tensors[index]
+        shape = int_list(t.shape)
+        arrays[index] = np.frombuffer(data, tensor_dtype(t), int(np.prod(shape)),
+                                      offset).reshape(shape)
+    return arrays
+
+
+def _read_offsets(data, n_tensors: int, path) -> tuple[int, ...]:
+    if len(data) < _HEADER.size:
+        raise UserError(path, f"truncated: {len(data)} bytes, a .wof header needs {_HEADER.size}")
+    magic, version, reserved, count = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise UserError(path, f"not a .wof file: magic number {magic}, expected {MAGIC}")
+    if version != VERSION:
+        raise UserError(path, f".wof version {version} is not supported (expected {VERSION})")
+    if reserved != 0:
+        raise UserError(path, f"reserved byte 3 is {reserved}, expected 0")
+    if count != n_tensors:
+        raise UserError(path, f"holds {count} buffers, but the model's subgraph has "
+                              f"{n_tensors} tensors")
+    table_end = _HEADER.size + 4 * count
+    if len(data) < table_end:
+        raise UserError(path, f"truncated: the offset table ends at byte {table_end}, "
+                              f"the file has {len(data)} bytes")
+    return struct.unpack_from(f"<{count}I", data, _HEADER.size)
+
+
+def _span_end(data, tensors, index: int, offset: int, path) -> int:
+    """End of tensor `index`'s data, after checking that it lies in the file."""
+    t = tensors[index]
+    what = f"tensor {index} '{t.name}'"
+    if offset % ALIGN:
+        raise UserError(path, f"{what}: offset {offset} is not a multiple of {ALIGN}")
+    header_end = _HEADER.size + 4 * len(tensors)
+    if offset < header_end:
+        raise UserError(path, f"{what}: offset {offset} points into the header, "
+                              f"which ends at byte {header_end}")
+    shape = int_list(t.shape)
+    dtype = tensor_dtype(t)
+    size = int(np.prod(shape)) * dtype.itemsize
+    if offset + size > len(data):
+        raise UserError(path, f"{what}: shape {shape} of {dtype.name} needs {size} bytes at "
+                              f"offset {offset}, but the file ends at byte {len(data)}")
+    return offset + size
+
+
+def _check_overlaps(spans, tensors, path) -> None:
+    for (start_a, end_a, a), (start_b, end_b, b) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise UserError(path, f"tensor {b} '{tensors[b].name}' (bytes {start_b}-{end_b}) "
+                                  f"overlaps tensor {a} '{tensors[a].name}' "
+                                  f"(bytes {start_a}-{end_a})")
