@@ -1,0 +1,1 @@
+"""trainconf: the host-side tool that prepares a model for training on the device."""

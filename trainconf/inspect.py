@@ -1,0 +1,120 @@
+"""`trainconf inspect`: what a model holds, as a dict (for --json) or as text."""
+import numpy as np
+
+from microtrain.format import circle_generated as circle
+from microtrain.format.model import (TYPE_NAMES, enum_names, int_list, op_name,
+                                     options_dict)
+
+ACTIVATIONS = enum_names(circle.ActivationFunctionType)
+
+
+def describe(model: circle.ModelT) -> dict:
+    subgraphs = [_subgraph(model, s, sg) for s, sg in enumerate(model.subgraphs)]
+    return {
+        "version": model.version,
+        "description": model.description,
+        "metadata": [m.name for m in model.metadata or ()],
+        "signatures": [sig.signatureKey for sig in model.signatureDefs or ()],
+        "subgraphs": subgraphs,
+        "totals": {key: sum(sg["totals"][key] for sg in subgraphs)
+                   for key in ("operators", "constants", "parameters", "bytes")},
+    }
+
+
+def _subgraph(model, s: int, sg) -> dict:
+    tensors = sg.tensors or []
+    constants = [_constant(model, t, tensors[t]) for t in range(len(tensors))
+                 if _data_size(model, tensors[t])]
+    operators = [_operator(model, k, op, tensors) for k, op in enumerate(sg.operators or ())]
+    return {
+        "index": s,
+        "name": sg.name,
+        "inputs": [_io(t, tensors[t]) for t in int_list(sg.inputs)],
+        "outputs": [_io(t, tensors[t]) for t in int_list(sg.outputs)],
+        "operators": operators,
+        "constants": constants,
+        "totals": {"tensors": len(tensors), "operators": len(operators),
+                   "constants": len(constants),
+                   "parameters": sum(c["parameters"] for c in constants),
+                   "bytes": sum(c["bytes"] for c in constants)},
+    }
+
+
+def _shape(tensor) -> list[int]:
+    """The shape with -1 for each dimension only known at run time."""
+    return int_list(tensor.shapeSignature) if tensor.shapeSignature is not None else int_list(tensor.shape)
+
+
+def _io(t: int, tensor) -> dict:
+    shape = _shape(tensor)
+    batch = None if not shape else "dynamic" if shape[0] == -1 else "fixed"
+    return {"index": t, "name": tensor.name, "type": TYPE_NAMES.get(tensor.type, tensor.type),
+            "shape": shape, "batch": batch}
+
+
+def _ref(t: int, tensors) -> dict:
+    return {"index": t, "name": tensors[t].name if t >= 0 else None}
+
+
+def _operator(model, k: int, op, tensors) -> dict:
+    options = options_dict(op)
+    activation = options.get("fused_activation_function")
+    return {
+        "index": k,
+        "type": op_name(model, op),
+        "fused_activation": None if activation is None else ACTIVATIONS.get(activation, activation),
+        "inputs": [_ref(t, tensors) for t in int_list(op.inputs)],
+        "outputs": [_ref(t, tensors) for t in int_list(op.outputs)],
+        "options": options,
+    }
+
+
+def _data_size(model, tensor) -> int:
+    data = model.buffers[tensor.buffer].data
+    return 0 if data is None else len(data)
+
+
+def _constant(model, t: int, tensor) -> dict:
+    return {"index": t, "name": tensor.name, "type": TYPE_NAMES.get(tensor.type, tensor.type),
+            "shape": int_list(tensor.shape), "parameters": int(np.prod(int_list(tensor.shape))),
+            "bytes": _data_size(model, tensor)}
+
+
+# ---------------------------------------------------------------- text
+
+def render_text(desc: dict) -> str:
+    lines = [f"schema version {desc['version']}"
+             + (f", {desc['description']!r}" if desc["description"] else "")]
+    for sg in desc["subgraphs"]:
+        lines += _subgraph_lines(sg)
+    n = desc["totals"]
+    lines.append(f"total: {n['operators']} operators, {n['constants']} constant tensors, "
+                 f"{n['parameters']} parameters, {n['bytes']} bytes")
+    return "\n".join(lines)
+
+
+def _tensor_text(t: dict) -> str:
+    return f"#{t['index']} {t['name']}" if t["index"] >= 0 else "(none)"
+
+
+def _subgraph_lines(sg: dict) -> list[str]:
+    n = sg["totals"]
+    lines = [f"subgraph {sg['index']} {sg['name'] or ''}: {n['tensors']} tensors, "
+             f"{n['operators']} operators"]
+    for kind in ("inputs", "outputs"):
+        lines.append(f"  {kind}:")
+        lines += [f"    {_tensor_text(t)}  {t['type']} {t['shape']}"
+                  + (f"  ({t['batch']} batch)" if t["batch"] else "") for t in sg[kind]]
+    lines.append("  operators:")
+    for op in sg["operators"]:
+        act = op["fused_activation"]
+        act = f"  activation {act}" if act not in (None, "NONE") else ""
+        lines += [f"    {op['index']}: {op['type']}{act}",
+                  "       in:  " + ", ".join(map(_tensor_text, op["inputs"])),
+                  "       out: " + ", ".join(map(_tensor_text, op["outputs"]))]
+    lines.append("  constants:")
+    lines += [f"    {_tensor_text(c)}  {c['type']} {c['shape']}  {c['parameters']} parameters, "
+              f"{c['bytes']} bytes" for c in sg["constants"]]
+    lines.append(f"  {n['constants']} constant tensors, {n['parameters']} parameters, "
+                 f"{n['bytes']} bytes")
+    return lines
