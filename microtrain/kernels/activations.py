@@ -1,35 +1,263 @@
-"""Activation kernels and their gradients."""
+"""Activation kernels and their gradients.
+
+numpy's maximum/minimum/comparisons run 2-3x faster against a full array than
+against a scalar, so bounds are pre-broadcast to the operand's shape once, in
+the factory (shared read-only arrays, see `full`).
+"""
+from functools import cache, partial
+
 import numpy as np
 
 from . import kernel
 
+# Fused activation code -> (lower, upper) clip bounds; 4 (TANH) is no clip.
+# Circle's ActivationFunctionType: 0 NONE, 1 RELU, 2 RELU_N1_TO_1, 3 RELU6, 4 TANH.
+CLIPS = {1: (0, None), 2: (-1, 1), 3: (0, 6)}
+TANH = 4
+CODES = {0, TANH, *CLIPS}
 
-def _identity(x):
+
+@cache
+def _full(shape, dtype, value):
+    a = np.full(shape, value, dtype)
+    a.flags.writeable = False
+    return a
+
+
+def full(like, value):
+    """A shared read-only array shaped like `like`, filled with `value`."""
+    return _full(like.shape, like.dtype, value)
+
+
+def noop():
     pass
 
 
-def _relu(x):
-    np.maximum(x, 0, out=x)
+def _check(code):
+    if code not in CODES:
+        raise ValueError(f"unsupported fused activation {code}")
 
 
-def _relu6(x):
-    np.clip(x, 0, 6, out=x)
+def activation_step(code, x, y):
+    """A closure computing y = act(x) for a fused activation code (x may be y)."""
+    if code == 0:
+        return noop if x is y else partial(np.copyto, y, x)
+    if code == TANH:
+        return partial(np.tanh, x, out=y)
+    _check(code)
+    lo, hi = CLIPS[code]
+    lower = partial(np.maximum, x, full(y, lo), out=y)
+    if hi is None:
+        return lower
+    upper = full(y, hi)
+
+    def clip():
+        lower()
+        np.minimum(y, upper, out=y)
+    return clip
 
 
-def _relu_n1_to_1(x):
-    np.clip(x, -1, 1, out=x)
+def bind_activation(code, y):
+    """A closure applying fused activation `code` to the array y in place."""
+    return activation_step(code, y, y)
 
 
-def _tanh(x):
-    np.tanh(x, out=x)
+def then_activate(compute, code, y):
+    """A closure running compute, then fused activation `code` on y in place."""
+    if code == 0:
+        return compute
+    act = bind_activation(code, y)
 
-
-# Circle's ActivationFunctionType: 0 NONE, 1 RELU, 2 RELU_N1_TO_1, 3 RELU6, 4 TANH.
-FUSED = {0: _identity, 1: _relu, 2: _relu_n1_to_1, 3: _relu6, 4: _tanh}
+    def step():
+        compute()
+        act()
+    return step
 
 
 def fused_activation(code: int):
-    """The in-place function for a fused activation code."""
-    if code not in FUSED:
-        raise ValueError(f"unsupported fused activation {code}")
-    return FUSED[code]
+    """The in-place function for a fused activation code.
+
+    For callers without a fixed output array; `bind_activation` is faster.
+    """
+    _check(code)
+    return lambda x: bind_activation(code, x)()
+
+
+def _standalone(code):
+    def factory(inputs, outputs, **_):
+        return activation_step(code, inputs[0], outputs[0])
+    return factory
+
+
+# The fused activations as ops: RELU y = max(x, 0), RELU_N1_TO_1 y = clip(x, -1, 1),
+# RELU6 y = clip(x, 0, 6), TANH y = tanh(x).
+for _name, _code in (("RELU", 1), ("RELU_N1_TO_1", 2), ("RELU6", 3), ("TANH", TANH)):
+    kernel(_name)(_standalone(_code))
+
+
+@kernel("LOGISTIC")
+def logistic(inputs, outputs, **_):
+    """y = 1 / (1 + exp(-x)), computed as exp(-softplus(-x)): no overflow, and
+    accurate in both tails."""
+    (x,), (y,) = inputs, outputs
+    zero = full(y, 0)
+
+    def step():
+        np.negative(x, out=y)
+        np.logaddexp(zero, y, out=y)
+        np.negative(y, out=y)
+        np.exp(y, out=y)
+    return step
+
+
+@kernel("LEAKY_RELU")
+def leaky_relu(inputs, outputs, alpha=0.0, **_):
+    """y = x where x > 0 else alpha*x, i.e. max(x, alpha*x) for alpha <= 1 and
+    min(x, alpha*x) for alpha > 1."""
+    (x,), (y,) = inputs, outputs
+    pick = np.maximum if alpha <= 1 else np.minimum
+
+    def step():
+        np.multiply(x, alpha, out=y)
+        pick(x, y, out=y)
+    return step
+
+
+def row_sums(a2, sums):
+    """A closure writing sums [rows, 1] = a2 summed along each row: a BLAS
+    product with ones, ~3x faster than np.add.reduce(axis=1) on small rows."""
+    if a2.dtype != sums.dtype:  # np.dot's out= must have the product's dtype
+        return partial(np.add.reduce, a2, axis=1, keepdims=True, out=sums)
+    return partial(np.dot, a2, np.ones((a2.shape[1], 1), a2.dtype), out=sums)
+
+
+def row_exp(x2, beta, shifted, e, sums):
+    """A closure writing, per row of the 2-D x2: shifted = beta*x2 - max(beta*x2),
+    e = exp(shifted), sums = sum(e) (shape [rows, 1]).  Subtracting the row
+    maximum keeps exp from overflowing; shifted may be e."""
+    rowmax = np.empty_like(sums)
+    src = x2 if beta == 1 else shifted
+    total = row_sums(e, sums)
+
+    def step():
+        if beta != 1:
+            np.multiply(x2, beta, out=shifted)
+        np.maximum.reduce(src, axis=1, keepdims=True, out=rowmax)
+        np.subtract(src, rowmax, out=shifted)
+        np.exp(shifted, out=e)
+        total()
+    return step
+
+
+def rows(a):
+    """a viewed as a 2-D [-1, last axis] array."""
+    return a.reshape(-1, a.shape[-1])
+
+
+@kernel("SOFTMAX")
+def softmax(inputs, outputs, beta=1.0, **_):
+    """y = exp(beta*x) / sum(exp(beta*x)) over the last axis."""
+    (x,), (y,) = inputs, outputs
+    y2 = rows(y)
+    sums = np.empty((y2.shape[0], 1), y.dtype)
+    exps = row_exp(rows(x), beta, y2, y2, sums)
+
+    def step():
+        exps()
+        np.divide(y2, sums, out=y2)
+    return step
+
+
+def _clip_grad(dy, y, dx, lo, hi):
+    """dx = dy where lo < y < hi else 0."""
+    inside, below = np.empty(y.shape, bool), np.empty(y.shape, bool)
+    low, high = full(y, lo), full(y, hi)
+
+    def step():
+        np.greater(y, low, out=inside)
+        np.less(y, high, out=below)
+        np.logical_and(inside, below, out=inside)
+        np.multiply(dy, inside, out=dx)
+    return step
+
+
+def _relu_grad(dy, y, dx):
+    """dx = dy * (y > 0), computed as dy * sign(y): y is a ReLU's output, so
+    y >= 0 and sign(y) is that mask (~2x faster than a product with bools)."""
+    sign = np.empty_like(y)
+
+    def step():
+        np.sign(y, out=sign)
+        np.multiply(dy, sign, out=dx)
+    return step
+
+
+def _tanh_slope(y, t, one):
+    """t = 1 - y², tanh's derivative in terms of its output."""
+    np.multiply(y, y, out=t)
+    np.subtract(one, t, out=t)
+
+
+def _logistic_slope(y, t, one):
+    """t = y * (1 - y), the logistic's derivative in terms of its output."""
+    np.subtract(one, y, out=t)
+    np.multiply(t, y, out=t)
+
+
+def _slope_grad(dy, y, dx, slope):
+    """dx = dy * slope(y)."""
+    one, t = full(y, 1), np.empty_like(y)
+
+    def step():
+        slope(y, t, one)
+        np.multiply(dy, t, out=dx)
+    return step
+
+
+def _leaky_relu_grad(dy, y, dx, alpha):
+    """dx = dy where y > 0 else alpha*dy (y > 0 exactly where x > 0, as alpha >= 0)."""
+    positive, zero = np.empty(y.shape, bool), full(y, 0)
+
+    def step():
+        np.greater(y, zero, out=positive)
+        np.multiply(dy, alpha, out=dx)
+        np.copyto(dx, dy, where=positive)
+    return step
+
+
+_BOUNDED = {"relu_n1_to_1": CLIPS[2], "relu6": CLIPS[3]}
+
+
+@kernel("ActivationGrad")
+def activation_grad(inputs, outputs, activation="relu", alpha=0.0, **_):
+    """dX of an activation from dY and the activation's OUTPUT Y."""
+    (dy, y), (dx,) = inputs, outputs
+    if activation == "relu":
+        return _relu_grad(dy, y, dx)
+    if activation in _BOUNDED:
+        return _clip_grad(dy, y, dx, *_BOUNDED[activation])
+    if activation == "tanh":
+        return _slope_grad(dy, y, dx, _tanh_slope)
+    if activation == "logistic":
+        return _slope_grad(dy, y, dx, _logistic_slope)
+    if activation == "leaky_relu":
+        return _leaky_relu_grad(dy, y, dx, alpha)
+    raise ValueError(f"ActivationGrad: unsupported activation {activation!r}")
+
+
+@kernel("SoftmaxGrad")
+def softmax_grad(inputs, outputs, beta=1.0, **_):
+    """dX = beta * Y * (dY - sum(dY*Y, last axis))."""
+    (dy, y), (dx,) = inputs, outputs
+    dy2, y2, dx2 = rows(dy), rows(y), rows(dx)
+    dots = np.empty((y2.shape[0], 1), y.dtype)
+    total = row_sums(dx2, dots)
+
+    def step():
+        np.multiply(dy2, y2, out=dx2)
+        total()
+        np.subtract(dy2, dots, out=dx2)
+        np.multiply(dx2, y2, out=dx2)
+        if beta != 1:
+            np.multiply(dx2, beta, out=dx2)
+    return step
