@@ -170,7 +170,8 @@ def test_softmax_logits_loss_matches_torch_cross_entropy():
     zt = torch.tensor(z, requires_grad=True)
     expected = F.cross_entropy(zt, torch.tensor(labels))
     expected.backward()
-    for loss, t in (("cce", np.eye(10)[labels]), ("sparse_cce", labels)):
+    for loss, t in (("cce", np.eye(10)[labels]), ("cce", np.eye(10, dtype=np.int32)[labels]),
+                    ("sparse_cce", labels)):
         value, dz = run("LogitsLoss", [z, t], [(1,), z.shape], loss=loss, activation="softmax")
         np.testing.assert_allclose(value, [expected.item()], rtol=1e-12)
         np.testing.assert_allclose(dz, zt.grad.numpy(), rtol=1e-10, atol=1e-15)

@@ -5,6 +5,7 @@ output.  Per-sample losses reduce the last axis; reduction "mean" divides
 their sum by their count, prod(y.shape[:-1]) (the batch size for [B, C]
 outputs, as Keras' sum_over_batch_size), "sum" does not divide.
 """
+from functools import partial
 from math import prod
 
 import numpy as np
@@ -29,7 +30,7 @@ def _one_hot(t, y2):
     labels = t.reshape(y2.shape[0], 1)
     classes = np.arange(y2.shape[1]).astype(t.dtype)
     target = np.empty_like(y2)
-    return (lambda: np.equal(labels, classes, out=target)), target
+    return partial(np.equal, labels, classes, out=target), target
 
 
 def _clip(p, q, inside):
