@@ -36,12 +36,12 @@ def fc_arrays(x_shape, out, y_shape):
 
 @pytest.mark.parametrize("x_shape, out, keep, y_shape", FC_CASES)
 @pytest.mark.parametrize("code", [0, 1, 2, 3, 4])
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_fully_connected_matches_torch(x_shape, out, keep, y_shape, code, with_bias):
+@pytest.mark.parametrize("bias", ["given", "none", "left_off"])
+def test_fully_connected_matches_torch(x_shape, out, keep, y_shape, code, bias):
     x, w, b = fc_arrays(x_shape, out, y_shape)
-    b = b if with_bias else None
-    (y,) = run("FULLY_CONNECTED", [x, w, b], [y_shape],
-               fused_activation_function=code, keep_num_dims=keep)
+    b = b if bias == "given" else None
+    inputs = [x, w] if bias == "left_off" else [x, w, b]
+    (y,) = run("FULLY_CONNECTED", inputs, [y_shape], fused_activation_function=code, keep_num_dims=keep)
     tb = None if b is None else torch.tensor(b)
     expected = fc_torch(torch.tensor(x), torch.tensor(w), tb, y_shape, code).numpy()
     np.testing.assert_allclose(y, expected, rtol=1e-12, atol=1e-14)

@@ -15,7 +15,7 @@ from .activations import bind_activation
 def fully_connected(inputs, outputs, fused_activation_function=0, **_):
     """y = act(x2 @ W.T + b) with x2 = x reshaped [-1, in]; y's own shape
     already encodes keep_num_dims."""
-    x, w, b = inputs
+    x, w, b = (*inputs, None)[:3]  # the bias may be None or left off
     (y,) = outputs
     x2, y2, wt = x.reshape(-1, w.shape[1]), y.reshape(-1, w.shape[0]), w.T
     act = bind_activation(fused_activation_function, y2)
