@@ -1,1 +1,360 @@
-"""placeholder"""
+"""Convolution and pooling kernels (NHWC) and their gradients.
+
+All of them work on kernel windows: a 6-D strided view [N, OH, OW, KH, KW, C]
+over a padded copy of an image, built once in the factory (_Windows).  CONV_2D
+and its weight gradient gather the windows into a contiguous "cols" matrix for
+one BLAS matmul.  Depthwise convolutions and pooling loop over the few kernel
+taps, each step vectorised over all pixels.  Input gradients compute each
+tap's gradient and scatter-add it onto the pixels that tap covered (col2im).
+"""
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from . import kernel
+from .activations import fused_activation
+
+SAME, VALID = 0, 1
+
+
+def _pads(n_in, n_out, k, stride, dilation, padding):
+    """TFLite (before, after) padding of one spatial axis; checks n_out."""
+    span = (k - 1) * dilation + 1
+    if padding not in (SAME, VALID):
+        raise ValueError(f"unsupported padding {padding}")
+    expected = -(-n_in // stride) if padding == SAME else -(-(n_in - span + 1) // stride)
+    if n_out != expected:
+        raise ValueError(f"output size {n_out} does not match input size {n_in} "
+                         f"(kernel {k}, stride {stride}, dilation {dilation}, padding {padding})")
+    total = max((n_out - 1) * stride + span - n_in, 0)
+    return total // 2, total - total // 2
+
+
+def _per_tap(a, axis=3):
+    """Views of `a` at each tap of its kernel axes (axis, axis + 1), row-major."""
+    kh, kw = a.shape[axis:axis + 2]
+    lead = (slice(None),) * axis
+    return [a[lead + (i, j)] for i in range(kh) for j in range(kw)]
+
+
+class _Windows:
+    """Kernel windows of an NHWC `image` as a view [N, OH, OW, KH, KW, C].
+
+    The view lies over a padded buffer (borders hold `fill`), or over the image
+    itself when no padding is needed.  `cols` is the windows as a contiguous
+    [N*OH*OW, KH*KW*C] matrix; for 1x1 kernels with stride 1 it is the image.
+    """
+
+    def __init__(self, image, out_hw, k_hw, padding=SAME, stride_h=1, stride_w=1,
+                 dilation_h_factor=1, dilation_w_factor=1, fill=0.0, **_):
+        n, h, w, c = image.shape
+        (oh, ow), (kh, kw) = out_hw, k_hw
+        top, bottom = _pads(h, oh, kh, stride_h, dilation_h_factor, padding)
+        left, right = _pads(w, ow, kw, stride_w, dilation_w_factor, padding)
+        self.image = image
+        if top or bottom or left or right:
+            self.buffer = np.full((n, top + h + bottom, left + w + right, c), fill, image.dtype)
+            self.inner = self.buffer[:, top:top + h, left:left + w]
+        else:
+            self.buffer = self.inner = image
+
+        def windows(a):
+            sn, sh, sw, sc = a.strides
+            return as_strided(a, (n, oh, ow, kh, kw, c),
+                              (sn, sh * stride_h, sw * stride_w,
+                               sh * dilation_h_factor, sw * dilation_w_factor, sc))
+        self.view = windows(self.buffer)
+        self.taps = _per_tap(self.view)
+        self.direct = (kh, kw, stride_h, stride_w) == (1, 1, 1, 1)
+        self.cols6 = (image.reshape(self.view.shape) if self.direct
+                      else np.empty(self.view.shape, image.dtype))
+        self.cols = self.cols6.reshape(n * oh * ow, kh * kw * c)
+        # A strided copy pays a fixed cost per contiguous run of the windows;
+        # when runs are short (few channels) a flat index gather is faster.
+        run = c * (kw if dilation_w_factor == 1 else 1)
+        self.index = None
+        if run < 12 and not self.direct:
+            self.index = windows(np.arange(self.buffer.size).reshape(self.buffer.shape)).ravel()
+
+    def load(self):
+        """Copy the image into the padded buffer (no-op without padding)."""
+        if self.buffer is not self.image:
+            np.copyto(self.inner, self.image)
+
+    def gather(self):
+        """Fill `cols` with the windows of the image's current contents."""
+        if self.direct:
+            return
+        self.load()
+        if self.index is None:
+            np.copyto(self.cols6, self.view)
+        else:  # indices are in range: "wrap" only skips raise mode's checks and buffering
+            np.take(self.buffer.reshape(-1), self.index, out=self.cols.reshape(-1), mode="wrap")
+
+    def scatter(self, tap_grad):
+        """A step setting the image to the sum over taps k of tap_grad(k), an
+        [N, OH, OW, C] array, added at the pixels tap k covers (col2im)."""
+        def step():
+            self.buffer.fill(0)
+            # One tap's windows never share a pixel, so an in-place add on its
+            # strided view is a correct scatter-add.
+            for k, pixels in enumerate(self.taps):
+                np.add(pixels, tap_grad(k), out=pixels)
+            if self.buffer is not self.image:
+                np.copyto(self.image, self.inner)
+        return step
+
+
+def _repeated(src, shape):
+    """A buffer of `shape` holding `src` broadcast, and a step refreshing it.
+    Repeating a per-channel vector along the image width lets numpy's
+    elementwise loops run over whole rows instead of C-element pieces
+    (2x faster at C=16)."""
+    rows = np.empty(shape, src.dtype)
+    return rows, lambda: np.copyto(rows, src)
+
+
+def _finish(y, b, fused_activation_function):
+    """A step adding the optional bias b (over the last axis) and applying
+    the fused activation to y in place."""
+    act = fused_activation(fused_activation_function)
+    if b is None:
+        return lambda: act(y)
+    rows, refresh = _repeated(b, y.shape[2:])
+
+    def step():
+        refresh()
+        np.add(y, rows, out=y)
+        act(y)
+    return step
+
+
+@kernel("CONV_2D")
+def conv_2d(inputs, outputs, fused_activation_function=0, **opts):
+    """y[n,i,j,o] = act(b[o] + sum_{p,q,c} xpad[n, i*sh + p*dh, j*sw + q*dw, c] * w[o,p,q,c]),
+    computed as y = cols(x) @ W.reshape(O, -1).T."""
+    x, w, b = inputs
+    (y,) = outputs
+    win = _Windows(x, y.shape[1:3], w.shape[1:3], **opts)
+    w2t = w.reshape(w.shape[0], -1).T
+    y2 = y.reshape(-1, w.shape[0])
+    finish = _finish(y, b, fused_activation_function)
+
+    def step():
+        win.gather()
+        np.matmul(win.cols, w2t, out=y2)
+        finish()
+    return step
+
+
+@kernel("Conv2DInputGrad")
+def conv_2d_input_grad(inputs, outputs, **opts):
+    """dxpad[n, i*sh + p*dh, j*sw + q*dw, c] += sum_o dy[n,i,j,o] * w[o,p,q,c]:
+    one matmul dY @ W[:, p, q, :] per tap, scatter-added onto the tap's pixels."""
+    dy, w = inputs
+    (dx,) = outputs
+    win = _Windows(dx, dy.shape[1:3], w.shape[1:3], **opts)
+    dy2 = dy.reshape(-1, w.shape[0])
+    if win.direct:  # 1x1, stride 1: dX = dY @ W
+        w2 = w.reshape(w.shape[0], -1)
+        return lambda: np.matmul(dy2, w2, out=win.cols)
+    # Per-tap products land in one contiguous buffer, so the scatter's adds
+    # run over whole rows when the stride is 1.
+    w_taps = _per_tap(w, axis=1)
+    grad = np.empty((dy2.shape[0], dx.shape[3]), dx.dtype)
+    grad4 = grad.reshape(*dy.shape[:3], dx.shape[3])
+
+    def tap_grad(k):
+        np.matmul(dy2, w_taps[k], out=grad)
+        return grad4
+    return win.scatter(tap_grad)
+
+
+@kernel("Conv2DWeightGrad")
+def conv_2d_weight_grad(inputs, outputs, **opts):
+    """dW.reshape(O, -1) = dY.reshape(-1, O).T @ cols(X)."""
+    dy, x = inputs
+    (dw,) = outputs
+    win = _Windows(x, dy.shape[1:3], dw.shape[1:3], **opts)
+    dy2t = dy.reshape(-1, dw.shape[0]).T
+    dw2 = dw.reshape(dw.shape[0], -1)
+
+    def step():
+        win.gather()
+        np.matmul(dy2t, win.cols, out=dw2)
+    return step
+
+
+def _depthwise(image, out, w, opts):
+    """For a depthwise conv of `image` giving `out`: the windows of image, the
+    filter [1, KH, KW, C*M] repeated as per-tap rows [KH*KW, OW, C, M] with a
+    step refreshing them from w, and out viewed as [N, OH, OW, C, M]."""
+    win = _Windows(image, out.shape[1:3], w.shape[1:3], **opts)
+    taps = w.reshape(-1, 1, image.shape[3], w.shape[3] // image.shape[3])
+    rows, refresh = _repeated(taps, (taps.shape[0], out.shape[2], *taps.shape[2:]))
+    return win, rows, refresh, out.reshape(*out.shape[:3], *taps.shape[2:])
+
+
+@kernel("DEPTHWISE_CONV_2D")
+def depthwise_conv_2d(inputs, outputs, fused_activation_function=0, **opts):
+    """y[n,i,j,c*M+m] = act(b[c*M+m] + sum_{p,q} xpad[n, i*sh + p*dh, j*sw + q*dw, c] * w[0,p,q,c*M+m]),
+    accumulated tap by tap; the multiplier M comes from the shapes."""
+    x, w, b = inputs
+    (y,) = outputs
+    win, rows, refresh, y5 = _depthwise(x, y, w, opts)
+    pixels = [tap[..., None] for tap in win.taps]
+    prod = np.empty_like(y5)
+    finish = _finish(y, b, fused_activation_function)
+
+    def step():
+        win.load()
+        refresh()
+        np.multiply(pixels[0], rows[0], out=y5)
+        for k in range(1, len(pixels)):
+            np.multiply(pixels[k], rows[k], out=prod)
+            np.add(y5, prod, out=y5)
+        finish()
+    return step
+
+
+@kernel("DepthwiseConv2DInputGrad")
+def depthwise_conv_2d_input_grad(inputs, outputs, **opts):
+    """dxpad[n, i*sh + p*dh, j*sw + q*dw, c] += sum_m dy[n,i,j,c*M+m] * w[0,p,q,c*M+m]."""
+    dy, w = inputs
+    (dx,) = outputs
+    win, rows, refresh, dy5 = _depthwise(dx, dy, w, opts)
+    prod = np.empty_like(dy5)
+    per_m = [prod[..., m] for m in range(rows.shape[3])]
+    summed = per_m[0] if len(per_m) == 1 else np.empty(dy5.shape[:4], dx.dtype)
+
+    def tap_grad(k):
+        np.multiply(dy5, rows[k], out=prod)
+        if len(per_m) > 1:
+            _fold(np.add, per_m, summed)
+        return summed
+    scatter = win.scatter(tap_grad)
+
+    def step():
+        refresh()
+        scatter()
+    return step
+
+
+@kernel("DepthwiseConv2DWeightGrad")
+def depthwise_conv_2d_weight_grad(inputs, outputs, **opts):
+    """dw[0,p,q,c*M+m] = sum_{n,i,j} xpad[n, i*sh + p*dh, j*sw + q*dw, c] * dy[n,i,j,c*M+m]."""
+    dy, x = inputs
+    (dw,) = outputs
+    win = _Windows(x, dy.shape[1:3], dw.shape[1:3], **opts)
+    pixels = [tap[..., None] for tap in win.taps]
+    dy5 = dy.reshape(*dy.shape[:3], x.shape[3], -1)
+    prod = np.empty_like(dy5)
+    # Summing over pixels in two stages, image rows first, keeps numpy's inner
+    # loops long: one sum over [N*OH*OW, C*M] runs C-long pieces (4x slower at C=16).
+    prod_rows = prod.reshape(-1, dy.shape[2] * dw.shape[3])
+    row_sum = np.empty(prod_rows.shape[1], dw.dtype)
+    row_sum2 = row_sum.reshape(dy.shape[2], dw.shape[3])
+    dw2 = dw.reshape(len(pixels), dw.shape[3])
+
+    def step():
+        win.load()
+        for k in range(len(pixels)):
+            np.multiply(pixels[k], dy5, out=prod)
+            np.sum(prod_rows, axis=0, out=row_sum)
+            np.sum(row_sum2, axis=0, out=dw2[k])
+    return step
+
+
+def _fold(ufunc, parts, out):
+    """out = ufunc.reduce over a list of equally shaped arrays, elementwise."""
+    np.copyto(out, parts[0])
+    for part in parts[1:]:
+        ufunc(out, part, out=out)
+
+
+def _pool_windows(image, out, filter_height=1, filter_width=1, **opts):
+    """Pooling windows of `image` for the output shape of `out`."""
+    return _Windows(image, out.shape[1:3], (filter_height, filter_width), **opts)
+
+
+def _inverse_counts(image, out, **opts):
+    """1 / (number of non-padded pixels) of each pooling window, as a
+    contiguous [OH, OW, C] array so that multiplying by it runs over whole rows."""
+    ones = np.ones((1, *image.shape[1:3], 1), image.dtype)
+    win = _pool_windows(ones, out, **opts)
+    win.load()
+    counts = np.empty((1, *out.shape[1:3], 1), image.dtype)
+    _fold(np.add, win.taps, counts)
+    return np.ascontiguousarray(np.broadcast_to(1 / counts[0], out.shape[1:]))
+
+
+@kernel("MAX_POOL_2D")
+def max_pool_2d(inputs, outputs, fused_activation_function=0, **opts):
+    """y[n,i,j,c] = act(max over the window's non-padded pixels of x)."""
+    (x,) = inputs
+    (y,) = outputs
+    win = _pool_windows(x, y, fill=-np.inf, **opts)
+    act = fused_activation(fused_activation_function)
+
+    def step():
+        win.load()
+        _fold(np.maximum, win.taps, y)
+        act(y)
+    return step
+
+
+@kernel("AVERAGE_POOL_2D")
+def average_pool_2d(inputs, outputs, fused_activation_function=0, **opts):
+    """y[n,i,j,c] = act(mean over the window's non-padded pixels of x)."""
+    (x,) = inputs
+    (y,) = outputs
+    win = _pool_windows(x, y, **opts)
+    inverse = _inverse_counts(x, y, **opts)
+    act = fused_activation(fused_activation_function)
+
+    def step():
+        win.load()
+        _fold(np.add, win.taps, y)
+        np.multiply(y, inverse, out=y)
+        act(y)
+    return step
+
+
+@kernel("MaxPool2DGrad")
+def max_pool_2d_grad(inputs, outputs, **opts):
+    """dx gets each dy at the first maximal pixel of its window (row-major
+    tap order), summed over overlapping windows."""
+    dy, x = inputs
+    (dx,) = outputs
+    xwin = _pool_windows(x, dy, fill=-np.inf, **opts)
+    peak = np.empty_like(dy)
+    hit, taken = np.empty(dy.shape, bool), np.empty(dy.shape, bool)
+    grad = np.empty_like(dy)
+
+    def tap_grad(k):
+        np.equal(xwin.taps[k], peak, out=hit)
+        np.greater(hit, taken, out=hit)  # hit and not taken: only the first maximum
+        np.logical_or(taken, hit, out=taken)
+        return np.multiply(dy, hit, out=grad)
+    scatter = _pool_windows(dx, dy, **opts).scatter(tap_grad)
+
+    def step():
+        xwin.load()
+        _fold(np.maximum, xwin.taps, peak)
+        taken.fill(False)
+        scatter()
+    return step
+
+
+@kernel("AveragePool2DGrad")
+def average_pool_2d_grad(inputs, outputs, **opts):
+    """dx spreads dy / count evenly over each window's non-padded pixels."""
+    (dy,) = inputs
+    (dx,) = outputs
+    inverse = _inverse_counts(dx, dy, **opts)
+    share = np.empty_like(dy)
+    scatter = _pool_windows(dx, dy, **opts).scatter(lambda k: share)
+
+    def step():
+        np.multiply(dy, inverse, out=share)
+        scatter()
+    return step
