@@ -7,8 +7,10 @@ import click
 from microtrain.cli_common import CommandGroup, print_json
 from microtrain.format.model import load_model
 
+from .backprop import LOSSES, REDUCTIONS
 from .importer import import_tflite
 from .inspect import describe, render_text
+from .split import PRECISIONS, split
 
 MODEL = click.Path(dir_okay=False, path_type=Path)
 
@@ -43,3 +45,44 @@ def inspect_command(model: Path, as_json: bool):
         print_json(desc)
     else:
         click.echo(render_text(desc))
+
+
+@main.command("split")
+@click.argument("model", type=MODEL)
+@click.option("-o", "--outdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for the three files  [default: MODEL's folder]")
+@click.option("--trainable", default="all", show_default=True,
+              help="What trains: all; last:N (the last N weighted ops, counted from the "
+                   "output); or a comma list of weighted-op output names or weight tensor names.")
+@click.option("--freeze-bias", is_flag=True,
+              help="Train the kernels of the chosen ops but not their biases.")
+@click.option("--loss", type=click.Choice(LOSSES),
+              help="Loss: cce (categorical cross-entropy), sparse_cce, bce, mse or mae  "
+                   "[default: cce when the model ends in SOFTMAX, else mse]")
+@click.option("--reduction", type=click.Choice(REDUCTIONS), default="mean", show_default=True,
+              help="mean: the sum of per-sample losses divided by the batch size (Keras); "
+                   "sum: their sum.")
+@click.option("--precision", type=click.Choice(list(PRECISIONS)), default="fp32",
+              show_default=True, help="Preset for the three types below.")
+@click.option("--weight-dtype", type=click.Choice(list(PRECISIONS)),
+              help="Type the graphs compute with for weights (the .wof keeps an fp32 master "
+                   "copy)  [default: --precision]")
+@click.option("--activation-dtype", type=click.Choice(list(PRECISIONS)),
+              help="Type of activations  [default: --precision]")
+@click.option("--grad-dtype", type=click.Choice(list(PRECISIONS)),
+              help="Type of gradients in the backprop graph  [default: --precision]")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON document instead of text  [default: text]")
+def split_command(model: Path, outdir: Path | None, as_json: bool, **options):
+    """Write STEM.frozen.circle (the forward graph, trainable weights cut out),
+    STEM.wof (those weights) and STEM.backprop.circle (the gradient graph) for
+    MODEL (.circle or .tflite)."""
+    summary = split(model, outdir, **options).summary()
+    if as_json:
+        print_json(summary)
+        return
+    click.echo(f"trainable: {summary['trainable_tensors']} tensors, "
+               f"{summary['trainable_parameters']} parameters; loss {summary['loss']} "
+               f"({summary['reduction']}); backprop graph: {summary['backprop_ops']} operators")
+    for name, f in summary["files"].items():
+        click.echo(f"  {name:9} {f['path']}  {f['bytes']} bytes")

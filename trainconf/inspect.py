@@ -5,7 +5,18 @@ from microtrain.format import circle_generated as circle
 from microtrain.format.model import (TYPE_NAMES, enum_names, int_list, op_name,
                                      options_dict)
 
+from .fold import FOLDABLE
+from .gradients import RULES
+
 ACTIVATIONS = enum_names(circle.ActivationFunctionType)
+
+
+def training_support(op_type: str) -> str:
+    """How `trainconf split` treats an operator: it has a gradient rule, it is
+    folded into a constant (shape computations), or it cannot be trained through."""
+    if op_type in RULES:
+        return "gradient"
+    return "folded" if op_type in FOLDABLE else "unsupported"
 
 
 def describe(model: circle.ModelT) -> dict:
@@ -66,6 +77,7 @@ def _operator(model, k: int, op, tensors) -> dict:
         "inputs": [_ref(t, tensors) for t in int_list(op.inputs)],
         "outputs": [_ref(t, tensors) for t in int_list(op.outputs)],
         "options": options,
+        "training": training_support(op_name(model, op)),
     }
 
 
@@ -109,7 +121,7 @@ def _subgraph_lines(sg: dict) -> list[str]:
     for op in sg["operators"]:
         act = op["fused_activation"]
         act = f"  activation {act}" if act not in (None, "NONE") else ""
-        lines += [f"    {op['index']}: {op['type']}{act}",
+        lines += [f"    {op['index']}: {op['type']}{act}  [training: {op['training']}]",
                   "       in:  " + ", ".join(map(_tensor_text, op["inputs"])),
                   "       out: " + ", ".join(map(_tensor_text, op["outputs"]))]
     lines.append("  constants:")
