@@ -5,6 +5,7 @@ import click
 
 from . import session
 from .cli_common import CommandGroup, print_json
+from .loss_scale import ADAPTIVE_DEFAULTS, DYNAMIC_DEFAULTS
 from .metrics import METRICS
 from .optimizers import DEFAULTS as OPTIMIZER_DEFAULTS, OPTIMIZERS
 from .schedules import DEFAULTS as SCHEDULE_DEFAULTS, SCHEDULES
@@ -98,6 +99,31 @@ def main():
 @click.option("--warmup-start", type=float, help="Schedule linear-warmup: lr at step 0.")
 @click.option("--metric", type=click.Choice(list(METRICS)),
               help="Metric to report. Default: accuracy for cross-entropy losses, else the loss kind.")
+@click.option("--loss-scale", default="none", show_default=True,
+              help="Loss scaling against fp16 gradient underflow: none, a number (static scale), "
+                   "dynamic (grow/back off) or adaptive (a scale per layer).")
+@click.option("--loss-scale-init", type=float,
+              help=f"dynamic: initial scale. Default: {DYNAMIC_DEFAULTS['init']:g} (2^15).")
+@click.option("--growth-factor", type=float,
+              help=f"dynamic/adaptive: scale growth. Default: {DYNAMIC_DEFAULTS['growth_factor']:g}.")
+@click.option("--backoff-factor", type=float,
+              help=f"dynamic/adaptive: scale back-off on inf/NaN gradients. "
+                   f"Default: {DYNAMIC_DEFAULTS['backoff_factor']:g}.")
+@click.option("--growth-interval", type=click.IntRange(1),
+              help=f"dynamic/adaptive: finite steps in a row before growing. "
+                   f"Default: {DYNAMIC_DEFAULTS['growth_interval']}.")
+@click.option("--min-scale", type=float,
+              help=f"dynamic: smallest scale. Default: {DYNAMIC_DEFAULTS['min_scale']:g}.")
+@click.option("--max-scale", type=float,
+              help=f"dynamic: largest scale. Default: {DYNAMIC_DEFAULTS['max_scale']:g} (2^24).")
+@click.option("--adaptive-interval", type=click.IntRange(1),
+              help=f"adaptive: steps between choosing the per-layer scales. "
+                   f"Default: {ADAPTIVE_DEFAULTS['interval']}.")
+@click.option("--adaptive-threshold", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              help=f"adaptive: allowed probability of underflow per layer. "
+                   f"Default: {ADAPTIVE_DEFAULTS['threshold']:g}.")
+@click.option("--accum-steps", default=1, show_default=True, type=click.IntRange(1),
+              help="Accumulate the gradients of this many batches before each update.")
 @click.option("--checkpoint", type=click.Path(dir_okay=False),
               help="Save weights, optimizer and RNG state here after every epoch.")
 @click.option("--resume", is_flag=True, help="Continue from --checkpoint.")

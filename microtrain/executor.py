@@ -13,6 +13,8 @@ from .artifacts import Artifacts
 from .errors import UserError
 from .graph import BATCH, Graph, concrete_shape
 from .kernels import KERNELS, build
+from .loss_scale import LossScale
+from .precision import HALF, TYPES, Underflow, rounder
 
 
 def _float(dtype) -> np.dtype:
@@ -25,35 +27,58 @@ def _check_kernels(g: Graph, path) -> None:
             raise UserError(path, f"operator {op.index} ({op.type}) is not supported by microtrain")
 
 
+def precision(art: Artifacts) -> dict:
+    """The types of weights, activations and gradients chosen at split time."""
+    return art.training.get("precision", {"weights": "fp32", "activations": "fp32",
+                                          "gradients": "fp32"})
+
+
 class Memory:
-    """Every array of the forward and backprop graphs, allocated for `batch` rows."""
+    """Every array of the forward and backprop graphs, allocated for `batch` rows.
+
+    The trainable weights live in one flat fp32 master buffer (the optimizer
+    updates it in one go) and their gradients in another.  With fp16 weights the
+    graphs read a rounded working copy, refreshed after every update."""
 
     def __init__(self, art: Artifacts, batch: int):
         trainable = list(art.training["trainable"])
         sizes = [art.weights[t].size for t in trainable]
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        self.offsets = {t: (int(lo), int(hi)) for t, lo, hi in zip(trainable, offsets, offsets[1:])}
         self.params = np.empty(offsets[-1], np.float32)  # fp32 master copy of all weights
         self.grads = np.zeros(offsets[-1], np.float32)
-        self.param_views, self.grad_views = {}, {}
-        for t, lo, hi in zip(trainable, offsets, offsets[1:]):
-            self.param_views[t] = self.params[lo:hi].reshape(art.weights[t].shape)
+        self.half_weights = TYPES[precision(art)["weights"]] == HALF
+        self.working = np.empty_like(self.params) if self.half_weights else self.params
+        self._half = np.empty(self.params.shape, HALF) if self.half_weights else None
+        self.param_views, self.grad_views, working_views = {}, {}, {}
+        for t, (lo, hi) in self.offsets.items():
+            shape = art.weights[t].shape
+            self.param_views[t] = self.params[lo:hi].reshape(shape)
             self.param_views[t][...] = art.weights[t]
-            self.grad_views[t] = self.grads[lo:hi].reshape(art.weights[t].shape)
-        self.forward = self._allocate(art.forward, batch, self.param_views)
+            self.grad_views[t] = self.grads[lo:hi].reshape(shape)
+            working_views[t] = self.working[lo:hi].reshape(shape)
+        self.refresh_weights()
+        self.forward = self._allocate(art.forward, batch, working_views)
         self.backprop = None
         if art.backprop is not None:
             aliases = {b: self.forward[f] for b, f in art.links["forward"]}
             aliases.update({g: self.grad_views[t] for g, t in art.links["gradients"]})
             self.backprop = self._allocate(art.backprop, batch, aliases)
 
-    @staticmethod
-    def _allocate(g: Graph, batch: int, given: dict) -> list:
+    def refresh_weights(self) -> None:
+        """Round the master weights into the fp16 working copy."""
+        if self.half_weights:
+            np.copyto(self._half, self.params, casting="unsafe")
+            np.copyto(self.working, self._half)
+
+    def _allocate(self, g: Graph, batch: int, given: dict) -> list:
         arrays = []
         for t in g.tensors:
             if t.index in given:
                 arrays.append(given[t.index])
             elif t.data is not None:
-                arrays.append(np.ascontiguousarray(t.data, _float(t.dtype)))
+                data = t.data.astype(HALF) if self.half_weights and t.data.dtype.kind == "f" else t.data
+                arrays.append(np.ascontiguousarray(data, _float(t.dtype)))
             else:
                 arrays.append(np.zeros(concrete_shape(t.shape, batch), _float(t.dtype)))
         return arrays
@@ -97,32 +122,55 @@ def _views(g: Graph, arrays: list, rows: int) -> list:
     return [a[:rows] if t.shape and t.shape[0] == BATCH else a for t, a in zip(g.tensors, arrays)]
 
 
-def _closures(g: Graph, arrays: list, ops=None) -> list:
-    return [build(op.type, [arrays[i] if i >= 0 else None for i in op.inputs],
-                  [arrays[i] for i in op.outputs], **op.options)
-            for op in (g.ops if ops is None else ops)]
+class Hooks:
+    """What runs around each kernel: loss scaling in the backprop graph, then
+    rounding to fp16 of every tensor declared fp16 (counting weight-gradient
+    underflow)."""
+
+    def __init__(self, art: Artifacts, scaler: LossScale, underflow: Underflow):
+        self.backprop, self.scaler, self.underflow = art.backprop, scaler, underflow
+        # backprop tensor of each weight gradient -> the forward (weight) tensor
+        self.weight_grads = dict(art.links["gradients"]) if art.links else {}
+
+    def _counting(self, backprop: bool, t: int) -> tuple:
+        """rounder() arguments that count gradient underflow (see Underflow)."""
+        if not backprop:
+            return ()
+        return self.underflow, self.weight_grads.get(t, -1 - t)
+
+    def closures(self, g: Graph, arrays: list, ops) -> list:
+        steps = []
+        for op in ops:
+            inputs = [arrays[i] if i >= 0 else None for i in op.inputs]
+            outputs = [arrays[i] for i in op.outputs]
+            backprop = g is self.backprop
+            steps.append(self.scaler.kernel(op, inputs, outputs) if backprop
+                         else build(op.type, inputs, outputs, **op.options))
+            if backprop:
+                steps += self.scaler.after(op, inputs, outputs)
+            steps += [rounder(a, *self._counting(backprop, t))
+                      for t, a in zip(op.outputs, outputs) if g.tensors[t].dtype == HALF]
+        return steps
 
 
-def compile_plan(art: Artifacts, mem: Memory, rows: int) -> Plan:
+def compile_plan(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
     fwd = _views(art.forward, mem.forward, rows)
-    plan = Plan([fwd[i] for i in art.forward.inputs], [fwd[i] for i in art.forward.outputs],
-                [], None, _closures(art.forward, fwd), [], [])
+    inputs = [fwd[i] for i in art.forward.inputs]
+    round_inputs = [rounder(fwd[i]) for i in art.forward.inputs
+                    if art.forward.tensors[i].dtype == HALF]
+    plan = Plan(inputs, [fwd[i] for i in art.forward.outputs], [], None,
+                round_inputs + hooks.closures(art.forward, fwd, art.forward.ops), [], [])
     if art.backprop is not None:
         bp = _views(art.backprop, mem.backprop, rows)
         plan.targets = [bp[i] for i in art.links["targets"]]
         plan.loss = bp[art.links["loss"]]
-        plan.backward = _closures(art.backprop, bp)
-        plan.loss_ops = _closures(art.backprop, bp, [op for op in art.backprop.ops
-                                                    if op.type in ("Loss", "LogitsLoss")])
-        _add_loss_total(art, bp, plan)
+        plan.backward = hooks.closures(art.backprop, bp, art.backprop.ops)
+        # evaluation runs the loss operators alone (and their sum, with several outputs)
+        loss_ops = [op for op in art.backprop.ops if op.type in ("Loss", "LogitsLoss")
+                    or art.links["loss"] in op.outputs]
+        plan.loss_ops = [build(op.type, [bp[i] for i in op.inputs], [bp[i] for i in op.outputs],
+                               **op.options) for op in loss_ops]
     return plan
-
-
-def _add_loss_total(art: Artifacts, bp: list, plan: Plan) -> None:
-    """With several outputs the loss is their sum: evaluation needs that op too."""
-    totals = [op for op in art.backprop.ops if art.links["loss"] in op.outputs
-              and op.type not in ("Loss", "LogitsLoss")]
-    plan.loss_ops += _closures(art.backprop, bp, totals)
 
 
 def check_supported(art: Artifacts) -> None:

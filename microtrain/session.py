@@ -8,10 +8,16 @@ from .atomic import atomic_write
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .data import load_array, validation_split
 from .errors import UserError
+from .loss_scale import make_loss_scale
 from .trainer import Trainer
 
 OPTIMIZER_KEYS = ("learning_rate", "momentum", "beta_1", "beta_2", "epsilon", "rho", "weight_decay")
 SCHEDULE_KEYS = ("decay_steps", "decay_rate", "alpha", "warmup_steps", "warmup_start")
+# CLI option -> make_loss_scale parameter
+LOSS_SCALE_KEYS = {"loss_scale_init": "init", "growth_factor": "growth_factor",
+                   "backoff_factor": "backoff_factor", "growth_interval": "growth_interval",
+                   "min_scale": "min_scale", "max_scale": "max_scale",
+                   "adaptive_interval": "interval", "adaptive_threshold": "threshold"}
 
 
 def load_data(specs, shapes=()) -> list[np.ndarray]:
@@ -43,7 +49,7 @@ def _checkpoint_of(trainer: Trainer, rng: np.random.Generator, baseline: dict) -
     return Checkpoint(params=trainer.memory.params.copy(), optimizer=trainer.optimizer_name,
                       optimizer_config=opt.config(), optimizer_state=opt.state(),
                       iterations=opt.iterations, epoch=trainer.epoch,
-                      rng_state=rng.bit_generator.state, loss_scale={},
+                      rng_state=rng.bit_generator.state, loss_scale=trainer.scaler.state(),
                       model_sha256=trainer.art.frozen_sha256, extra={"baseline": baseline})
 
 
@@ -64,14 +70,21 @@ def _resume(trainer: Trainer, path, rng: np.random.Generator) -> dict:
     trainer.optimizer.iterations = ckpt.iterations
     trainer.epoch = ckpt.epoch
     rng.bit_generator.state = ckpt.rng_state
+    if ckpt.loss_scale.get("kind") != trainer.scaler.kind:
+        raise UserError(path, f"was saved with loss scaling {ckpt.loss_scale.get('kind')!r}; "
+                              f"this run uses {trainer.scaler.kind!r}")
+    trainer.scaler.load_state(ckpt.loss_scale)
     return ckpt.extra["baseline"]
 
 
 def make_trainer(kw, with_backprop=True) -> Trainer:
+    scale = make_loss_scale(kw.get("loss_scale") or "none",
+                            **{LOSS_SCALE_KEYS[k]: v for k, v in _given(kw, LOSS_SCALE_KEYS).items()})
     return Trainer(kw["frozen"], kw.get("wof"), kw.get("backprop"), batch_size=kw["batch_size"],
                    optimizer=kw.get("optimizer", "adam"),
                    lr_schedule=kw.get("lr_schedule", "constant"),
                    schedule_params=_given(kw, SCHEDULE_KEYS), metric=kw.get("metric"),
+                   loss_scale=scale, accum_steps=kw.get("accum_steps") or 1,
                    with_backprop=with_backprop, **_given(kw, OPTIMIZER_KEYS))
 
 

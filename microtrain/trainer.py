@@ -8,8 +8,10 @@ import numpy as np
 from .artifacts import load_artifacts
 from .data import batch_indices
 from .errors import UserError
-from .executor import Memory, Plan, check_supported, compile_plan
+from .executor import Hooks, Memory, Plan, check_supported, compile_plan
 from .format.wof import write_wof
+from .loss_scale import LossScale
+from .precision import Underflow
 from .metrics import HIGHER_IS_BETTER, METRICS, default_metric
 from .optimizers import make_optimizer
 from .schedules import make_schedule
@@ -48,6 +50,7 @@ class Trainer:
     def __init__(self, frozen, wof=None, backprop=None, *, batch_size: int = 32,
                  optimizer: str = "adam", lr_schedule: str = "constant",
                  schedule_params: dict | None = None, metric: str | None = None,
+                 loss_scale: LossScale | None = None, accum_steps: int = 1,
                  with_backprop: bool = True, **hyperparameters):
         self.art = load_artifacts(frozen, wof, backprop, with_backprop)
         check_supported(self.art)
@@ -63,13 +66,23 @@ class Trainer:
         self.optimizer = make_optimizer(optimizer, self.memory.params.size, **hyperparameters)
         self.schedule = make_schedule(lr_schedule, self.optimizer.learning_rate,
                                       **(schedule_params or {}))
+        self.scaler = loss_scale or LossScale()
+        if self.art.backprop is not None:
+            self.scaler.bind(self.art, self.memory.offsets)
+        self.underflow = Underflow()
+        self.hooks = Hooks(self.art, self.scaler, self.underflow)
+        if accum_steps < 1:
+            raise UserError(None, f"--accum-steps must be at least 1, got {accum_steps}")
+        self.accum_steps = accum_steps
+        self._accum = np.zeros_like(self.memory.grads) if accum_steps > 1 else None
+        self._accum_weight, self._accum_count = 0, 0
         self.epoch = 0
         self._plans: dict[int, Plan] = {}
 
     # -- data ---------------------------------------------------------------------------------
     def _plan(self, rows: int) -> Plan:
         if rows not in self._plans:
-            self._plans[rows] = compile_plan(self.art, self.memory, rows)
+            self._plans[rows] = compile_plan(self.art, self.memory, rows, self.hooks)
         return self._plans[rows]
 
     def _expect(self, arrays: Sequence[np.ndarray], views: list[np.ndarray], what: str,
@@ -117,33 +130,75 @@ class Trainer:
         return METRICS[self.metric](plan.outputs[0], plan.targets[0], self.loss_name)
 
     # -- training -----------------------------------------------------------------------------
-    def train_step(self, plan: Plan) -> float:
-        """Forward, backward and update on the batch already loaded into `plan`."""
+    def _forward_backward(self, plan: Plan) -> float:
         plan.run_forward()
         plan.run_backward()
         loss = float(plan.loss[0])
         if not np.isfinite(loss):
             raise Diverged(loss)
-        self.optimizer.apply(self.memory.params, self.memory.grads,
-                             self.schedule(self.optimizer.iterations))
         return loss
+
+    def train_step(self, plan: Plan, rows: int) -> float:
+        """Forward and backward on the batch already loaded into `plan`, then the
+        update (or, accumulating, the update once every `accum_steps` batches)."""
+        loss = self._forward_backward(plan)
+        if self._accum is None:
+            self._update(self.memory.grads)
+            return loss
+        # the gradients of a mean loss are averaged over the effective batch's rows
+        weight = rows if self.art.training["reduction"] == "mean" else 1
+        self._accum += self.memory.grads * np.float32(weight)
+        self._accum_weight += weight
+        self._accum_count += 1
+        if self._accum_count == self.accum_steps:
+            self.flush()
+        return loss
+
+    def flush(self) -> None:
+        """Apply accumulated gradients (at the end of an effective batch or epoch)."""
+        if not self._accum_count:
+            return
+        if self.art.training["reduction"] == "mean":
+            self._accum /= np.float32(self._accum_weight)
+        self._update(self._accum)
+        self._accum[...] = 0
+        self._accum_weight = self._accum_count = 0
+
+    def _update(self, grads: np.ndarray) -> None:
+        """Unscale and apply `grads` unless they hold inf/NaN (then the loss scale decides)."""
+        finite = self.scaler.kind == "none" or bool(np.isfinite(grads).all())
+        if finite:
+            self.scaler.unscale(grads)
+            self.optimizer.apply(self.memory.params, grads, self.schedule(self.optimizer.iterations))
+            self.memory.refresh_weights()
+        self.scaler.update(finite)
 
     def train_epoch(self, xs, ts, shuffle: bool, rng: np.random.Generator,
                     tick: Callable[[int], None] | None = None) -> dict:
         totals, busy, steps = Totals(), 0.0, 0
+        skipped = self.scaler.skipped
         for idx in batch_indices(len(xs[0]), self.batch_size, shuffle, rng):
             plan = self._plan(len(idx))
             self._load(plan, xs, ts, idx)
             start = time.perf_counter()
-            loss = self.train_step(plan)
+            loss = self.train_step(plan, len(idx))
             busy += time.perf_counter() - start
             steps += 1
             totals.add(loss, len(idx), self._measure(plan))
             if tick:
                 tick(len(idx))
+        self.flush()
         self.epoch += 1
         return {"epoch": self.epoch, "loss": totals.mean_loss(),
-                self.metric: totals.metric_value(), "ms_per_step": 1000 * busy / steps}
+                self.metric: totals.metric_value(), "ms_per_step": 1000 * busy / steps,
+                "loss_scale": self.scaler.report(), "skipped_steps": self.scaler.skipped - skipped,
+                **self._underflow_report()}
+
+    def _underflow_report(self) -> dict:
+        counts = self.underflow.take()
+        names = self.art.forward.tensors
+        return {"grad_underflow": counts["weights"], "grad_underflow_all": counts["all"],
+                "grad_underflow_by_tensor": {names[t].name: v for t, v in counts["by_tensor"].items()}}
 
     def fit(self, inputs, targets, epochs: int = 5, shuffle: bool = True, seed: int | None = None,
             test: tuple | None = None, on_epoch: Callable[[dict], None] | None = None,

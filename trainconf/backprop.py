@@ -34,8 +34,9 @@ class Backprop:
 class Builder:
     """Appends tensors and operators to the backprop graph under construction."""
 
-    def __init__(self, fwd: Graph):
+    def __init__(self, fwd: Graph, grad_dtype=FLOAT32):
         self.fwd = fwd
+        self.grad_dtype = np.dtype(grad_dtype)
         self.tensors: list[Tensor] = []
         self.ops: list[Op] = []
         self.links: dict[int, int] = {}  # forward tensor -> backprop tensor
@@ -60,8 +61,12 @@ class Builder:
     def const(self, array: np.ndarray, name: str) -> int:
         return self.tensor(f"const/{name}_{len(self.tensors)}", array.shape, array.dtype, array)
 
-    def emit_many(self, type_: str, inputs: list[int], shapes, names, **options) -> list[int]:
-        outputs = [self.tensor(n, s) for n, s in zip(names, shapes)]
+    def emit_many(self, type_: str, inputs: list[int], shapes, names, dtypes=None,
+                  **options) -> list[int]:
+        """One operator; its outputs are gradients (of the gradient dtype) unless
+        `dtypes` says otherwise."""
+        dtypes = dtypes or [self.grad_dtype] * len(names)
+        outputs = [self.tensor(n, s, d) for n, s, d in zip(names, shapes, dtypes)]
         self.ops.append(Op(len(self.ops), type_, list(inputs), outputs, options))
         return outputs
 
@@ -130,16 +135,18 @@ def _seed_loss(b: Builder, loss: str, reduction: str, skip: set[int],
             if final.type == "SOFTMAX":
                 options["beta"] = float(final.options.get("beta", 1.0))
             value, dz = b.emit_many("LogitsLoss", [b.forward(z), target], [(1,), b.fwd.tensors[z].shape],
-                                    [f"loss/{y.name}", f"grad/{b.fwd.tensors[z].name}"], **options)
+                                    [f"loss/{y.name}", f"grad/{b.fwd.tensors[z].name}"],
+                                    [FLOAT32, b.grad_dtype], **options)
             skip.add(final.index)
             grads.setdefault(z, []).append(dz)
         else:
             value, dy = b.emit_many("Loss", [b.forward(out), target], [(1,), y.shape],
-                                    [f"loss/{y.name}", f"grad/{y.name}"], loss=loss, reduction=reduction)
+                                    [f"loss/{y.name}", f"grad/{y.name}"], [FLOAT32, b.grad_dtype],
+                                    loss=loss, reduction=reduction)
             grads.setdefault(out, []).append(dy)
         losses.append(value)
     total = losses[0] if len(losses) == 1 else \
-        b.emit_many("ADD_N", losses, [(1,)], ["loss/total"])[0]
+        b.emit_many("ADD_N", losses, [(1,)], ["loss/total"], [FLOAT32])[0]
     return total, targets
 
 
@@ -149,9 +156,10 @@ def unsupported(op: Op) -> UserError:
                            f"gradient rule; supported: {supported}")
 
 
-def build_backprop(fwd: Graph, trainable: list[int], loss: str, reduction: str) -> Backprop:
+def build_backprop(fwd: Graph, trainable: list[int], loss: str, reduction: str,
+                   grad_dtype=FLOAT32) -> Backprop:
     needed = requires_grad(fwd, set(trainable))
-    b = Builder(fwd)
+    b = Builder(fwd, grad_dtype)
     grads: dict[int, list[int]] = {}
     skip: set[int] = set()
     loss_tensor, targets = _seed_loss(b, loss, reduction, skip, grads)

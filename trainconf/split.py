@@ -29,6 +29,7 @@ class SplitResult:
     backprop_ops: int
     loss: str
     reduction: str
+    precision: dict
 
     def summary(self) -> dict:
         files = {k: {"path": str(p), "bytes": p.stat().st_size}
@@ -36,7 +37,8 @@ class SplitResult:
         return {"trainable_tensors": len(self.trainable),
                 "trainable_parameters": sum(t["parameters"] for t in self.trainable),
                 "trainable": self.trainable, "backprop_ops": self.backprop_ops,
-                "loss": self.loss, "reduction": self.reduction, "files": files}
+                "loss": self.loss, "reduction": self.reduction, "precision": self.precision,
+                "files": files}
 
 
 def _activations(g: Graph) -> set[int]:
@@ -79,6 +81,28 @@ def fold(model, g: Graph) -> Graph:
     return folded_graph
 
 
+PRECISIONS = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16)}
+
+
+def resolve_precision(precision: str = "fp32", weight_dtype: str | None = None,
+                      activation_dtype: str | None = None, grad_dtype: str | None = None) -> dict:
+    """The preset, with any of the three types overridden: {"weights": "fp16", ...}."""
+    chosen = {"weights": weight_dtype, "activations": activation_dtype, "gradients": grad_dtype}
+    for key, value in chosen.items():
+        value = value or precision
+        if value not in PRECISIONS:
+            raise UserError(None, f"unknown {key} type {value!r} (choose fp32 or fp16)")
+        chosen[key] = value
+    return chosen
+
+
+def set_activation_dtype(model, g: Graph, dtype: np.dtype) -> None:
+    from .writer import TENSOR_TYPES
+    for t in _activations(g):
+        g.tensors[t].dtype = dtype
+        model.subgraphs[0].tensors[t].type = TENSOR_TYPES[dtype]
+
+
 def default_loss(g: Graph) -> str:
     producers = g.producers()
     last = producers.get(g.outputs[0])
@@ -112,29 +136,35 @@ def output_paths(model_path: Path, out_dir: Path | None) -> tuple[Path, Path, Pa
 
 
 def split(model_path, out_dir=None, trainable: str = "all", loss: str | None = None,
-          reduction: str = "mean", freeze_bias: bool = False) -> SplitResult:
+          reduction: str = "mean", freeze_bias: bool = False, precision: str = "fp32",
+          weight_dtype: str | None = None, activation_dtype: str | None = None,
+          grad_dtype: str | None = None) -> SplitResult:
+    """Write STEM.frozen.circle, STEM.wof and STEM.backprop.circle for MODEL."""
     model_path = Path(model_path)
     model = load_model(model_path)
     try:
-        return _split(model, model_path, out_dir, trainable, loss, reduction, freeze_bias)
+        types = resolve_precision(precision, weight_dtype, activation_dtype, grad_dtype)
+        return _split(model, model_path, out_dir, trainable, loss, reduction, freeze_bias, types)
     except UserError as e:
         if str(e).startswith(f"{model_path}:"):
             raise
         raise UserError(model_path, str(e)) from None
 
 
-def _split(model, model_path, out_dir, trainable, loss, reduction, freeze_bias) -> SplitResult:
+def _split(model, model_path, out_dir, trainable, loss, reduction, freeze_bias, types) -> SplitResult:
     g = graph_of(model)
     make_batch_symbolic(model, g)
     g = fold(model, g)
+    set_activation_dtype(model, g, PRECISIONS[types["activations"]])
     weights = select_trainable(g, trainable, freeze_bias)
     loss = loss or default_loss(g)
     if loss not in LOSSES or reduction not in REDUCTIONS:
         raise UserError(None, f"unknown loss {loss!r} or reduction {reduction!r}")
-    bp = build_backprop(g, weights, loss, reduction)
+    bp = build_backprop(g, weights, loss, reduction, PRECISIONS[types["gradients"]])
     arrays = cut_weights(model, weights)
     set_metadata(model, TRAINING_META, json.dumps({
         "version": 1, "loss": loss, "reduction": reduction, "trainable": weights,
+        "precision": types,
         "stable_logits_loss": LOGITS_OF.get(loss) == g.producers()[g.outputs[0]].type
         if g.outputs[0] in g.producers() else False,
     }).encode())
@@ -148,4 +178,5 @@ def _split(model, model_path, out_dir, trainable, loss, reduction, freeze_bias) 
     atomic_write(backprop_path, model_to_bytes(backprop_model))
     info = [{"index": t, "name": g.tensors[t].name, "shape": list(g.tensors[t].shape),
              "parameters": int(np.prod(g.tensors[t].shape))} for t in weights]
-    return SplitResult(frozen_path, wof_path, backprop_path, info, len(bp.graph.ops), loss, reduction)
+    return SplitResult(frozen_path, wof_path, backprop_path, info, len(bp.graph.ops), loss, reduction,
+                       types)
