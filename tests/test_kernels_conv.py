@@ -117,8 +117,9 @@ def forward_cases(seed):
         cases.append(Case(n=int(rng.integers(1, 4)), h=5 + i % 4, w=9 - i % 3,
                           c=int(rng.integers(1, 5)), kh=kh, kw=kw, sh=s, sw=s % 3 + 1,
                           dh=d, dw=3 - d, padding=padding, mult=1 + i % 3))
-    # 1x1 with stride 1 takes the single-matmul path.
+    # 1x1 with stride 1 takes the single-matmul path; 8 channels the strided-copy gather.
     cases.append(Case(n=2, h=4, w=3, c=3, kh=1, kw=1, mult=2))
+    cases.append(Case(n=2, h=6, w=5, c=8, kh=3, kw=3, sh=2, padding=SAME, mult=2))
     return cases
 
 
@@ -128,12 +129,12 @@ def test_conv_forward_matches_torch(index, case, depthwise):
     rng = np.random.default_rng(index)
     xs, ws, bs, ys = conv_shapes(case, depthwise)
     x, w, b = rng.standard_normal(xs), rng.standard_normal(ws), rng.standard_normal(bs)
-    bias = b if index % 2 else None
+    inputs = [[x, w, b], [x, w, None], [x, w]][index % 3]  # bias given, None, left off
     act = index % 5
     name = "DEPTHWISE_CONV_2D" if depthwise else "CONV_2D"
-    (got,) = run(name, [x, w, bias], [ys], fused_activation_function=act, **case.conv_opts())
+    (got,) = run(name, inputs, [ys], fused_activation_function=act, **case.conv_opts())
     want = ACTIVATIONS[act](torch_conv(case, depthwise, tensor(x), tensor(w),
-                                       None if bias is None else tensor(b)))
+                                       tensor(b) if index % 3 == 0 else None))
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-10)
 
 
@@ -173,7 +174,8 @@ GRAD_CASES = [Case(2, 5, 4, 2, 3, 3, mult=2),
               Case(1, 7, 6, 3, 2, 3, 2, 3, 2, 1, padding=VALID, mult=1),
               Case(2, 5, 5, 1, 3, 3, 1, 2, 2, 2, padding=SAME, mult=2),
               Case(2, 4, 3, 2, 1, 1, mult=3),  # single-matmul path
-              Case(1, 5, 6, 2, 1, 1, 2, 2, padding=VALID, mult=2)]
+              Case(1, 5, 6, 2, 1, 1, 2, 2, padding=VALID, mult=2),
+              Case(1, 5, 4, 6, 2, 2, padding=VALID, mult=2)]  # strided-copy gather
 
 
 @pytest.mark.parametrize("depthwise", [False, True], ids=["conv", "depthwise"])

@@ -11,7 +11,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from . import kernel
-from .activations import fused_activation
+from .activations import noop, then_activate
 
 SAME, VALID = 0, 1
 
@@ -113,18 +113,15 @@ def _repeated(src, shape):
     return rows, lambda: np.copyto(rows, src)
 
 
-def _finish(y, b, fused_activation_function):
-    """A step adding the optional bias b (over the last axis) and applying
-    the fused activation to y in place."""
-    act = fused_activation(fused_activation_function)
+def _bias_adder(y, b):
+    """A step adding the optional bias b to y over its last axis."""
     if b is None:
-        return lambda: act(y)
+        return noop
     rows, refresh = _repeated(b, y.shape[2:])
 
     def step():
         refresh()
         np.add(y, rows, out=y)
-        act(y)
     return step
 
 
@@ -132,18 +129,18 @@ def _finish(y, b, fused_activation_function):
 def conv_2d(inputs, outputs, fused_activation_function=0, **opts):
     """y[n,i,j,o] = act(b[o] + sum_{p,q,c} xpad[n, i*sh + p*dh, j*sw + q*dw, c] * w[o,p,q,c]),
     computed as y = cols(x) @ W.reshape(O, -1).T."""
-    x, w, b = inputs
+    x, w, b = (*inputs, None)[:3]  # the bias may be None or left off
     (y,) = outputs
     win = _Windows(x, y.shape[1:3], w.shape[1:3], **opts)
     w2t = w.reshape(w.shape[0], -1).T
     y2 = y.reshape(-1, w.shape[0])
-    finish = _finish(y, b, fused_activation_function)
+    add_bias = _bias_adder(y, b)
 
     def step():
         win.gather()
         np.matmul(win.cols, w2t, out=y2)
-        finish()
-    return step
+        add_bias()
+    return then_activate(step, fused_activation_function, y)
 
 
 @kernel("Conv2DInputGrad")
@@ -198,12 +195,12 @@ def _depthwise(image, out, w, opts):
 def depthwise_conv_2d(inputs, outputs, fused_activation_function=0, **opts):
     """y[n,i,j,c*M+m] = act(b[c*M+m] + sum_{p,q} xpad[n, i*sh + p*dh, j*sw + q*dw, c] * w[0,p,q,c*M+m]),
     accumulated tap by tap; the multiplier M comes from the shapes."""
-    x, w, b = inputs
+    x, w, b = (*inputs, None)[:3]  # the bias may be None or left off
     (y,) = outputs
     win, rows, refresh, y5 = _depthwise(x, y, w, opts)
     pixels = [tap[..., None] for tap in win.taps]
     prod = np.empty_like(y5)
-    finish = _finish(y, b, fused_activation_function)
+    add_bias = _bias_adder(y, b)
 
     def step():
         win.load()
@@ -212,8 +209,8 @@ def depthwise_conv_2d(inputs, outputs, fused_activation_function=0, **opts):
         for k in range(1, len(pixels)):
             np.multiply(pixels[k], rows[k], out=prod)
             np.add(y5, prod, out=y5)
-        finish()
-    return step
+        add_bias()
+    return then_activate(step, fused_activation_function, y)
 
 
 @kernel("DepthwiseConv2DInputGrad")
@@ -293,13 +290,11 @@ def max_pool_2d(inputs, outputs, fused_activation_function=0, **opts):
     (x,) = inputs
     (y,) = outputs
     win = _pool_windows(x, y, fill=-np.inf, **opts)
-    act = fused_activation(fused_activation_function)
 
     def step():
         win.load()
         _fold(np.maximum, win.taps, y)
-        act(y)
-    return step
+    return then_activate(step, fused_activation_function, y)
 
 
 @kernel("AVERAGE_POOL_2D")
@@ -309,14 +304,12 @@ def average_pool_2d(inputs, outputs, fused_activation_function=0, **opts):
     (y,) = outputs
     win = _pool_windows(x, y, **opts)
     inverse = _inverse_counts(x, y, **opts)
-    act = fused_activation(fused_activation_function)
 
     def step():
         win.load()
         _fold(np.add, win.taps, y)
         np.multiply(y, inverse, out=y)
-        act(y)
-    return step
+    return then_activate(step, fused_activation_function, y)
 
 
 @kernel("MaxPool2DGrad")
