@@ -86,3 +86,7 @@ def split_command(model: Path, outdir: Path | None, as_json: bool, **options):
                f"({summary['reduction']}); backprop graph: {summary['backprop_ops']} operators")
     for name, f in summary["files"].items():
         click.echo(f"  {name:9} {f['path']}  {f['bytes']} bytes")
+
+
+if __name__ == "__main__":
+    main()
