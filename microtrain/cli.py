@@ -144,15 +144,31 @@ def run(**kw):
         click.echo(summary["message"])
 
 
+MIXED_PRECISION_KEYS = ("loss_scale", "skipped_steps", "grad_underflow", "grad_underflow_all")
+
+
+def _epoch_line(record: dict, epochs: int) -> str:
+    """onert_train-like: epoch, ms/step, loss and metrics; the mixed-precision
+    diagnostics only when something was scaled, skipped or lost."""
+    quiet = record["loss_scale"] == 1.0 and not record["skipped_steps"] \
+        and not record["grad_underflow_all"]
+    parts = [f"Epoch {record['epoch']}/{epochs}", f"{record['ms_per_step']:.3f} ms/step"]
+    for key, value in record.items():
+        if key in ("epoch", "ms_per_step", "grad_underflow_by_tensor") or \
+                (quiet and key in MIXED_PRECISION_KEYS):
+            continue
+        if isinstance(value, dict):
+            value = "–".join(f"{v:g}" for v in value.values())
+        parts.append(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+    return " - ".join(parts)
+
+
 def _epoch_printer(as_json: bool, epochs: int):
     def show(record: dict) -> None:
         if as_json:
             print_json(record)
-            return
-        parts = [f"Epoch {record['epoch']}/{epochs}", f"{record['ms_per_step']:.3f} ms/step"]
-        parts += [f"{k}: {v:.4f}" for k, v in record.items()
-                  if k not in ("epoch", "ms_per_step") and isinstance(v, float)]
-        click.echo(" - ".join(parts))
+        else:
+            click.echo(_epoch_line(record, epochs))
     return show
 
 
