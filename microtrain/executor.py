@@ -49,7 +49,7 @@ class Memory:
         self.grads = np.zeros(offsets[-1], np.float32)
         self.half_weights = TYPES[precision(art)["weights"]] == HALF
         self.working = np.empty_like(self.params) if self.half_weights else self.params
-        self._half = np.empty(self.params.shape, HALF) if self.half_weights else None
+        self._round_working = rounder(self.working) if self.half_weights else None
         self.param_views, self.grad_views, working_views = {}, {}, {}
         for t, (lo, hi) in self.offsets.items():
             shape = art.weights[t].shape
@@ -68,8 +68,8 @@ class Memory:
     def refresh_weights(self) -> None:
         """Round the master weights into the fp16 working copy."""
         if self.half_weights:
-            np.copyto(self._half, self.params, casting="unsafe")
-            np.copyto(self.working, self._half)
+            np.copyto(self.working, self.params)
+            self._round_working()
 
     def _allocate(self, g: Graph, batch: int, given: dict) -> list:
         arrays = []
@@ -77,7 +77,8 @@ class Memory:
             if t.index in given:
                 arrays.append(given[t.index])
             elif t.data is not None:
-                data = t.data.astype(HALF) if self.half_weights and t.data.dtype.kind == "f" else t.data
+                data = t.data.astype(HALF) if self.half_weights and t.data.dtype.kind == "f" \
+                    else t.data
                 arrays.append(np.ascontiguousarray(data, _float(t.dtype)))
             else:
                 arrays.append(np.zeros(concrete_shape(t.shape, batch), _float(t.dtype)))

@@ -42,46 +42,70 @@ class Underflow:
         return report
 
 
-# numpy's float32 -> float16 cast takes a slow path (about 25x slower) for results in
-# fp16's subnormal range, [2^-24, 2^-14).  Adding 0.5 to |x| < 2^-14 in float32 lands
-# on a grid of spacing 2^-24, so (|x| + 0.5) - 0.5 is exactly that rounding, ties to even.
+# Rounding float32 to float16 values by float32 arithmetic, exactly as the cast
+# would (ties to even), and about 4x faster than numpy's cast there and back (25x
+# in fp16's subnormal range, where the cast takes a slow path):
+#  - normal range: Veltkamp/Dekker splitting with 2^13 + 1 keeps the 11 leading
+#    significant bits, rounded to nearest even;
+#  - |x| < 2^-14 (fp16 subnormals): x + 0.75 lies on float32's 2^-24 grid, so
+#    (x + 0.75) - 0.75 is x rounded to a multiple of 2^-24;
+#  - |x| >= 65520 (rounds to inf), inf and NaN: numpy's cast (rare, so slow is fine).
 F16_MIN_NORMAL = np.float32(2.0 ** -14)
-GRID = np.float32(0.5)
+F16_ROUNDS_TO_INF = np.float32(65520.0)
+F16_LOST = np.float32(2.0 ** -25)  # 0 < |x| <= this rounds to zero
+SPLIT = np.float32(2 ** 13 + 1)
+GRID = np.float32(0.75)
 
 
-def _cast(a: np.ndarray, small_values: bool):
-    """In-place rounding of `a` to float16 values."""
-    half = np.empty(a.shape, HALF)
-    if not small_values:
-        def cast():
-            np.copyto(half, a, casting="unsafe")
-            np.copyto(a, half)
-        return cast
-    rounded, tiny = np.empty_like(a), np.empty(a.shape, bool)
-
-    def cast_small():
-        np.abs(a, out=rounded)
-        np.less(rounded, F16_MIN_NORMAL, out=tiny)
-        np.add(rounded, GRID, out=rounded)
-        np.subtract(rounded, GRID, out=rounded)
-        np.copysign(rounded, a, out=rounded)
-        np.copyto(a, 0, where=tiny)  # keep the cast on its fast path
-        np.copyto(half, a, casting="unsafe")
-        np.copyto(a, half)
-        np.copyto(a, rounded, where=tiny)
-    return cast_small
+SMALL = 4096  # below this many elements the two casts beat the dozen arithmetic passes
 
 
 def rounder(a: np.ndarray, underflow: Underflow | None = None, tensor: int = -1):
-    """A closure rounding `a` to float16 in place.  With `underflow` (for
-    gradients, which often hold subnormal-range values) it also counts the
-    elements lost, under `tensor`."""
-    cast = _cast(a, small_values=underflow is not None)
-    if underflow is None:
-        return cast
+    """A closure rounding `a` in place to float16 values; with `underflow`, it
+    also counts the elements that became zero, under `tensor`."""
+    return (_cast_rounder if a.size < SMALL else _arithmetic_rounder)(a, underflow, tensor)
 
-    def counted():
-        before = np.count_nonzero(a)
-        cast()
-        underflow.add(tensor, before - int(np.count_nonzero(a)), a.size)
-    return counted
+
+def _cast_rounder(a: np.ndarray, underflow: Underflow | None, tensor: int):
+    half = np.empty(a.shape, HALF)
+
+    def step():
+        before = np.count_nonzero(a) if underflow is not None else 0
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.copyto(half, a, casting="unsafe")
+        np.copyto(a, half)
+        if underflow is not None:
+            underflow.add(tensor, before - np.count_nonzero(a), a.size)
+    return step
+
+
+def _arithmetic_rounder(a: np.ndarray, underflow: Underflow | None, tensor: int):
+    mag, split, grid = np.empty_like(a), np.empty_like(a), np.empty_like(a)
+    normal, subnormal = np.empty_like(a), np.empty_like(a)  # 1.0/0.0 masks
+    flags = np.empty(a.shape, bool)
+    cast = _cast_rounder(a, None, tensor)
+
+    def count_lost() -> None:
+        np.less_equal(mag, F16_LOST, out=flags)
+        lost = np.count_nonzero(flags)
+        np.equal(mag, 0, out=flags)
+        underflow.add(tensor, lost - np.count_nonzero(flags), a.size)
+
+    def step():
+        np.abs(a, out=mag)
+        if underflow is not None:
+            count_lost()
+        if not mag.max() < F16_ROUNDS_TO_INF:
+            cast()
+            return
+        np.multiply(a, SPLIT, out=split)
+        np.subtract(split, a, out=grid)
+        np.subtract(split, grid, out=split)
+        np.add(a, GRID, out=grid)
+        np.subtract(grid, GRID, out=grid)
+        np.less(mag, F16_MIN_NORMAL, out=subnormal)
+        np.greater_equal(mag, F16_MIN_NORMAL, out=normal)
+        np.multiply(split, normal, out=split)
+        np.multiply(grid, subnormal, out=grid)
+        np.add(split, grid, out=a)
+    return step
