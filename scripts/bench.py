@@ -1,0 +1,427 @@
+"""Benchmark microtrain against Samsung ONE's onert (the `onert` wheel's
+experimental training API): milliseconds per training step and whole-process
+peak resident memory, at batch 32 with SGD (lr 0.01) and Adam (lr 0.001).
+
+Every configuration (model x optimizer) runs in two fresh worker processes
+(scripts/bench_worker.py), one per runtime, each importing only numpy and its own
+runtime.  Both train the same model file on the same data, batches in order.
+The parent alternates them (A B A B ...) so that machine drift hits both alike:
+after one warm-up epoch each (discarded), every round runs --epochs epochs of
+one, then of the other.  ms/step is the median epoch's wall time divided by its
+steps; onert's epoch time (its EPOCH_TIMES) also spans binding each batch's
+inputs, so the ratio uses microtrain's whole-epoch wall time too.  The compute
+columns time forward + backward + update alone (microtrain's ms_per_step,
+onert's session.train() call).  Memory is each worker's peak RSS (VmHWM) at
+the end, and that peak minus the peak right after the imports.
+
+When onert refuses a fixture, it gets the copy trainconf folds (symbolic batch,
+shape chains as constants, weights kept) and microtrain trains that copy too.
+The MLP-784 and MobileNetV2 rows train on seeded random data with one-hot targets.
+"""
+import cProfile
+import json
+import os
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import click
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+WORKER = Path(__file__).resolve().parent / "bench_worker.py"
+BATCH = 32
+LEARNING_RATES = {"sgd": 0.01, "adam": 0.001}
+RANDOM_SAMPLES = 1024
+QUICK_SAMPLES = 256
+# Pause before each switch of runtime: idle BLAS and thread-pool workers spin for
+# a while after their last job, which would steal a core from the other runtime.
+SETTLE_S = 0.2
+
+
+@dataclass(frozen=True)
+class Dataset:
+    x: str  # a fixture .npy, or the shape of seeded random samples
+    y: str | int  # a fixture .npy, or the number of classes of random one-hot targets
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        if isinstance(self.y, str):
+            return np.load(FIXTURES / f"{self.x}.npy"), np.load(FIXTURES / f"{self.y}.npy")
+        rng = np.random.default_rng(0)
+        shape = tuple(int(d) for d in self.x.split("x"))
+        x = rng.random((RANDOM_SAMPLES,) + shape, dtype=np.float32)
+        return x, np.eye(self.y, dtype=np.float32)[rng.integers(0, self.y, RANDOM_SAMPLES)]
+
+
+DIGITS = Dataset("digits_x", "digits_onehot")
+DIGIT_IMAGES = Dataset("digits_images", "digits_onehot")
+# model -> (data, loss); onert is given the same loss
+MODELS = {
+    "mlp": (DIGITS, "cce"),
+    "residual_mlp": (DIGITS, "cce"),
+    "cnn": (DIGIT_IMAGES, "cce"),
+    "depthwise": (DIGIT_IMAGES, "cce"),
+    "regression": (Dataset("diabetes_x", "diabetes_y"), "mse"),
+    "mlp_784": (Dataset("784", 10), "cce"),
+    "mobilenetv2": (Dataset("32x32x3", 10), "cce"),
+}
+
+
+# -- the machine ---------------------------------------------------------------------------
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _blas() -> str:
+    blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+    return f"{blas['name']} {blas.get('version', '')}".strip()
+
+
+def _commit() -> str | None:
+    try:
+        run = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                             capture_output=True, text=True)
+    except OSError:  # no git
+        return None
+    return run.stdout.strip() or None
+
+
+def machine() -> dict:
+    threads = {k: v for k, v in os.environ.items() if k.endswith("_NUM_THREADS")}
+    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "system": platform.platform(),
+            "python": platform.python_version(), "numpy": np.__version__, "blas": _blas(),
+            "onert": metadata.version("onert"), "thread_settings": threads, "commit": _commit()}
+
+
+def describe(m: dict) -> str:
+    threads = ", ".join(f"{k}={v}" for k, v in m["thread_settings"].items()) or "default threads"
+    return (f"{m['cpu']}, {m['cores']} cores ({threads}); {m['system']}; Python {m['python']}, "
+            f"numpy {m['numpy']} ({m['blas']}); onert {m['onert']}; commit {m['commit']}")
+
+
+# -- workers -------------------------------------------------------------------------------
+class Worker:
+    """A bench_worker.py process: one runtime training one configuration."""
+
+    def __init__(self, runtime: str, spec: dict, env: dict):
+        self.runtime = runtime
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), runtime], text=True, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.hello = self.ask(spec)
+        if self.refused:
+            self.proc.wait()
+
+    @property
+    def refused(self) -> str | None:
+        return self.hello["refused"]
+
+    def ask(self, message: dict) -> dict:
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise click.ClickException(f"the {self.runtime} worker died "
+                                       f"(exit status {self.proc.wait()})")
+        return json.loads(line)
+
+    def finish(self) -> dict:
+        reply = self.ask({"finish": True})
+        self.proc.wait()
+        return reply
+
+
+def alternate(workers: dict[str, Worker], rounds: int, epochs: int) -> dict[str, list[dict]]:
+    """A warm-up epoch each (discarded), then `rounds` times: `epochs` epochs of each in turn."""
+    replies = {name: [] for name in workers}
+    for name, worker in workers.items():
+        worker.ask({"epochs": 1})
+    for _ in range(rounds):
+        for name, worker in workers.items():
+            time.sleep(SETTLE_S)
+            replies[name].append(worker.ask({"epochs": epochs}))
+    return replies
+
+
+# -- model files ---------------------------------------------------------------------------
+def folded_copy(model: Path, out: Path) -> Path:
+    """The model with a symbolic batch and its shape chains folded, as trainconf splits it."""
+    from microtrain.format.model import save_model
+    from trainconf.split import fold, graph_of, load_model, make_batch_symbolic
+    m = load_model(model)
+    g = graph_of(m)
+    make_batch_symbolic(m, g)
+    fold(m, g)
+    save_model(m, out)
+    return out
+
+
+def bytecode_env(cache: Path) -> dict:
+    """An environment in which the workers import compiled bytecode, as from an
+    installed wheel: compiling microtrain's generated flatbuffers module from source
+    on every import (PYTHONDONTWRITEBYTECODE) leaves ~15 MB of freed-but-held heap."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(cache)
+    warm = [sys.executable, "-c", "import microtrain.trainer, onert.experimental.train"]
+    subprocess.run(warm, env=env, check=True)
+    return env
+
+
+class Workspace:
+    """A scratch folder holding each model's data (.npy, whole batches), its folded
+    copy, microtrain's split of whichever file the runtimes train, and the workers'
+    compiled bytecode."""
+
+    def __init__(self, folder: Path, max_samples: int | None):
+        self.folder, self.max_samples = folder, max_samples
+        self.splits: dict[Path, Path] = {}
+        self.env = bytecode_env(folder / "pycache")
+
+    def worker(self, runtime: str, spec: dict) -> Worker:
+        return Worker(runtime, spec, self.env)
+
+    def data(self, name: str) -> tuple[str, str, int]:
+        """Paths of the inputs and targets, and the sample count.  Cut to whole batches:
+        onert pads a partial last batch with repeated rows where microtrain runs a
+        smaller one, so only whole batches give both the same work."""
+        x_path, y_path = self.folder / f"{name}_x.npy", self.folder / f"{name}_y.npy"
+        if not x_path.exists():
+            x, y = MODELS[name][0].arrays()
+            n = min(len(x), self.max_samples or len(x)) // BATCH * BATCH
+            np.save(x_path, x[:n].astype(np.float32))
+            np.save(y_path, y[:n].astype(np.float32))
+        return str(x_path), str(y_path), len(np.load(x_path, mmap_mode="r"))
+
+    def folded(self, name: str) -> Path:
+        out = self.folder / f"{name}.folded.circle"
+        return out if out.exists() else folded_copy(FIXTURES / f"{name}.tflite", out)
+
+    def split(self, model: Path) -> Path:
+        """microtrain's frozen file for `model`, split once."""
+        from trainconf.split import split
+        if model not in self.splits:
+            name = model.name.split(".")[0]
+            out = self.folder / f"split_{model.stem.replace('.', '_')}"
+            self.splits[model] = split(model, out, loss=MODELS[name][1]).frozen
+        return self.splits[model]
+
+
+def start_onert(ws: Workspace, name: str, spec: dict) -> tuple[Worker | None, Path, dict]:
+    """An onert worker on the fixture, or on its folded copy if onert refuses the
+    fixture; (None, fixture) when it refuses both.  Also says what was tried."""
+    fixture = FIXTURES / f"{name}.tflite"
+    worker = ws.worker("onert", {**spec, "model": str(fixture)})
+    if not worker.refused:
+        return worker, fixture, {}
+    tried = {"refused_fixture": worker.refused}
+    folded = ws.folded(name)
+    worker = ws.worker("onert", {**spec, "model": str(folded)})
+    if not worker.refused:
+        return worker, folded, tried
+    return None, fixture, {**tried, "refused_folded": worker.refused}
+
+
+# -- one configuration ---------------------------------------------------------------------
+def runtime_result(hello: dict, replies: list[dict], final: dict, steps: int) -> dict:
+    epoch_ms = [ms for r in replies for ms in r["epoch_ms"]]
+    compute = [ms for r in replies for ms in r["compute_ms_per_step"]]
+    return {"ms_per_step": statistics.median(epoch_ms) / steps, "epoch_ms": epoch_ms,
+            "compute_ms_per_step": statistics.median(compute), "compute_ms_per_step_epochs": compute,
+            "baseline_mib": hello["baseline_kib"] / 1024, "peak_mib": final["peak_kib"] / 1024,
+            "final_loss": final["final_loss"]}
+
+
+def bench_config(ws: Workspace, name: str, optimizer: str, rounds: int, epochs: int) -> dict:
+    x, y, samples = ws.data(name)
+    spec = {"x": x, "y": y, "optimizer": optimizer, "learning_rate": LEARNING_RATES[optimizer],
+            "batch": BATCH, "loss": MODELS[name][1]}
+    onert, model, tried = start_onert(ws, name, spec)
+    spec.update(model=str(model), frozen=str(ws.split(model)))
+    workers = {"microtrain": ws.worker("microtrain", spec)}
+    if onert:
+        workers["onert"] = onert
+    replies = alternate(workers, rounds, epochs)
+    steps = samples // BATCH
+    row = {"model": name, "optimizer": optimizer, "model_file": model.name, "samples": samples,
+           "steps_per_epoch": steps, **tried}
+    for runtime, worker in workers.items():
+        row[runtime] = runtime_result(worker.hello, replies[runtime], worker.finish(), steps)
+    if onert:
+        for ratio, key in (("ratio", "ms_per_step"), ("compute_ratio", "compute_ms_per_step")):
+            row[ratio] = row["microtrain"][key] / row["onert"][key]
+    return row
+
+
+def profile_epoch(ws: Workspace, row: dict) -> str:
+    """cProfile of one microtrain epoch (after a warm-up epoch) as Markdown tables."""
+    from microtrain.trainer import Trainer
+    x, y, _ = ws.data(row["model"])
+    model = FIXTURES / row["model_file"] if row["model_file"].endswith(".tflite") \
+        else ws.folder / row["model_file"]
+    trainer = Trainer(ws.split(model), batch_size=BATCH, optimizer=row["optimizer"],
+                      learning_rate=LEARNING_RATES[row["optimizer"]])
+    xs, ts = trainer.check_data([np.load(x)], [np.load(y)])
+    rng = np.random.default_rng(0)
+    trainer.train_epoch(xs, ts, False, rng)
+    profile = cProfile.Profile()
+    profile.runcall(trainer.train_epoch, xs, ts, False, rng)
+    stats = pstats.Stats(profile).stats
+    return "\n\n".join(_top(stats, order, row["steps_per_epoch"])
+                       for order in ("cumulative", "own"))
+
+
+def _top(stats: dict, order: str, steps: int, lines: int = 10) -> str:
+    """The `lines` functions with the most `order` time; pstats' own report rounds
+    to whole milliseconds, too coarse for a step of a few microseconds."""
+    key = 3 if order == "cumulative" else 2  # stats values: (calls, calls, own, cumulative, callers)
+    top = sorted(stats.items(), key=lambda item: item[1][key], reverse=True)[:lines]
+    rows = [f"| top {lines} by {order} time | calls | own ms | cumulative ms | "
+            "cumulative µs/step |", "|---|---|---|---|---|"]
+    for (file, line, function), (_, calls, own, cumulative, _) in top:
+        where = f"{Path(file).name}:{line}({function})" if line else function
+        rows.append(f"| `{where}` | {calls} | {1000 * own:.3f} | {1000 * cumulative:.3f} | "
+                    f"{1e6 * cumulative / steps:.2f} |")
+    return "\n".join(rows)
+
+
+# -- output --------------------------------------------------------------------------------
+def _ms(v: float) -> str:
+    return f"{v:.3g}"
+
+
+def _memory(r: dict) -> str:
+    return f"{r['peak_mib']:.1f} (+{r['peak_mib'] - r['baseline_mib']:.1f})"
+
+
+def _table_row(row: dict) -> str:
+    mt, on = row["microtrain"], row.get("onert")
+    if on is None:
+        on = {"ms_per_step": f"refused ({row['refused_folded']})", "compute_ms_per_step": "–",
+              "peak_mib": None, "final_loss": None}
+    cells = [row["model"], row["optimizer"]]
+    for key, ratio in (("ms_per_step", "ratio"), ("compute_ms_per_step", "compute_ratio")):
+        cells += [_ms(mt[key]), _ms(on[key]) if ratio in row else on[key],
+                  f"**{row[ratio]:.2f}**" if ratio in row else "–"]
+    cells += [_memory(mt), _memory(on) if on["peak_mib"] is not None else "–",
+              " / ".join(f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "–"
+              for r in (mt, on))]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _notes(rows: list[dict]) -> list[str]:
+    notes = {}
+    for row in rows:
+        if "refused_folded" in row:
+            notes[row["model"]] = (f"onert refuses {row['model']} and trainconf's folded copy "
+                                   f"of it ({row['refused_folded']}); microtrain trained the fixture.")
+        elif "refused_fixture" in row:
+            notes[row["model"]] = (f"onert refuses the {row['model']} fixture "
+                                   f"({row['refused_fixture']}); both runtimes trained "
+                                   "trainconf's folded copy of it.")
+    return [f"- {n}" for n in notes.values()]
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [f"Machine: {describe(report['machine'])}.", "",
+             f"Batch {BATCH}; SGD lr {LEARNING_RATES['sgd']}, Adam lr {LEARNING_RATES['adam']}; "
+             f"medians over {s['rounds']} rounds x {s['epochs']} epochs per runtime after a "
+             "discarded warm-up epoch, the two runtimes alternating.", "",
+             "| model | optimizer | microtrain ms/step | onert ms/step | ratio microtrain/onert | "
+             "microtrain compute ms/step | onert compute ms/step | compute ratio | "
+             "microtrain peak MiB (+ over import) | onert peak MiB (+ over import) | "
+             "final loss microtrain / onert |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [_table_row(row) for row in report["rows"]]
+    lines += ["", "ms/step = whole-epoch wall time / steps (onert's EPOCH_TIMES; for microtrain the "
+                  "time of its train_epoch), so it includes copying each batch in; the ratio uses it.  "
+                  "compute = forward + backward + update alone (microtrain's ms_per_step; onert's "
+                  "time in session.train() per step).  Peak = whole-process peak RSS (VmHWM) of a "
+                  "worker that imported only numpy and that runtime; + = peak minus the peak right "
+                  "after those imports.  Final loss = mean loss over the training data after all "
+                  "epochs (the same data in the same order for both)."]
+    return "\n".join(lines + _notes(report["rows"])) + "\n"
+
+
+def _write(path: Path | None, text: str) -> None:
+    if path is not None:
+        from microtrain.atomic import atomic_write
+        atomic_write(path, text.encode())
+
+
+def _check_output(ctx, param, path: Path | None) -> Path | None:
+    """Refuse a missing folder now, not after minutes of benchmarking."""
+    if path is not None and not path.resolve().parent.is_dir():
+        raise click.BadParameter(f"{path}: no such folder {path.parent}")
+    return path
+
+
+def _check_models(ctx, param, value: str) -> list[str]:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown or not names:
+        raise click.BadParameter(f"unknown model(s) {', '.join(unknown) or '(none given)'}; "
+                                 f"choose from {', '.join(MODELS)}")
+    return names
+
+
+@click.command(help=__doc__)
+@click.option("--models", default=",".join(MODELS), show_default=True, callback=_check_models,
+              help="Comma-separated models to benchmark.")
+@click.option("--rounds", type=click.IntRange(1), default=None,
+              help="Alternations of the two runtimes per configuration [default: 5; 1 with --quick].")
+@click.option("--epochs", type=click.IntRange(1), default=None,
+              help="Timed epochs of each runtime per round [default: 3; 2 with --quick].")
+@click.option("--quick", is_flag=True,
+              help=f"Smoke run: fewer rounds and epochs, at most {QUICK_SAMPLES} samples per model.")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path),
+              callback=_check_output, help="Also write the Markdown table to this file (it is always printed).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              callback=_check_output, help="Write every measurement (per-epoch times too) as JSON to this file.")
+@click.option("--profile", is_flag=True,
+              help="After the table, print a cProfile of one microtrain epoch (top 10 by "
+                   "cumulative and by own time) for every row where microtrain is slower "
+                   "than onert.")
+def main(models, rounds, epochs, quick, markdown_path, json_path, profile):
+    rounds = rounds or (1 if quick else 5)
+    epochs = epochs or (2 if quick else 3)
+    start = time.perf_counter()
+    report = {"machine": machine(), "settings": {"batch": BATCH, "learning_rates": LEARNING_RATES,
+                                                 "rounds": rounds, "epochs": epochs},
+              "rows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        ws = Workspace(Path(tmp), QUICK_SAMPLES if quick else None)
+        for name in models:
+            for optimizer in LEARNING_RATES:
+                row = bench_config(ws, name, optimizer, rounds, epochs)
+                click.echo(_table_row(row), err=True)
+                if profile and row.get("ratio", 0) > 1:
+                    row["profile"] = profile_epoch(ws, row)
+                report["rows"].append(row)
+    report["elapsed_s"] = time.perf_counter() - start
+    text = markdown(report)
+    click.echo(text)
+    for row in report["rows"]:
+        if "profile" in row:
+            click.echo(f"Profile of one microtrain epoch ({row['steps_per_epoch']} steps, under "
+                       f"cProfile), {row['model']} {row['optimizer']}:\n\n{row['profile']}\n")
+    click.echo(f"({report['elapsed_s']:.0f} s)", err=True)
+    _write(markdown_path, text)
+    _write(json_path, json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""One runtime training one model, driven by scripts/bench.py over stdin/stdout.
+
+    python scripts/bench_worker.py microtrain|onert
+
+It imports only the standard library, numpy and its own runtime, so its resident
+memory is that runtime's.  The protocol is one JSON object per line each way:
+  {"model", "frozen", "x", "y", "optimizer", "learning_rate", "batch", "loss"}
+      -> {"baseline_kib", "refused"}  (the peak RSS after the imports; a refusal reason or null)
+  {"epochs": n} -> {"epoch_ms": [...], "compute_ms_per_step": [...]}
+  {"finish": true} -> {"peak_kib", "final_loss"}, then the worker exits.
+"""
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def peak_kib() -> int:
+    """The process's peak resident memory so far, in KiB: Linux's VmHWM.  Not
+    getrusage's ru_maxrss, which keeps the peak of the parent at fork across exec."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
+class Microtrain:
+    def __init__(self, spec: dict, x: np.ndarray, y: np.ndarray):
+        from microtrain.trainer import Trainer
+        self.trainer = Trainer(spec["frozen"], batch_size=spec["batch"],
+                               optimizer=spec["optimizer"], learning_rate=spec["learning_rate"])
+        self.xs, self.ts = self.trainer.check_data([x], [y])
+        self.rng = np.random.default_rng(0)  # unused: batches in order, as onert's DataLoader
+
+    def epochs(self, n: int) -> dict:
+        walls, computes = [], []
+        for _ in range(n):
+            start = time.perf_counter()
+            record = self.trainer.train_epoch(self.xs, self.ts, False, self.rng)
+            walls.append(1000 * (time.perf_counter() - start))
+            computes.append(record["ms_per_step"])
+        return {"epoch_ms": walls, "compute_ms_per_step": computes}
+
+    def final_loss(self) -> float:
+        return self.trainer.evaluate(self.xs, self.ts, checked=True)["loss"]
+
+
+@contextlib.contextmanager
+def stderr_to(path: str):
+    """Send file descriptor 2 to `path`: onert's C++ core explains a refusal there."""
+    saved = os.dup(2)
+    with open(path, "w") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def refusal_reason(log: str) -> str | None:
+    """The text after the last 'Error during nnfw_session::...:' line onert printed."""
+    lines = [line for line in log.splitlines() if line.startswith("Error during")]
+    return lines[-1].split(" : ", 1)[-1].strip() if lines else None
+
+
+class Refused(Exception):
+    pass
+
+
+class Onert:
+    def __init__(self, spec: dict, x: np.ndarray, y: np.ndarray):
+        from onert.experimental.train import DataLoader, losses, optimizer, session
+        opt = {"sgd": optimizer.SGD, "adam": optimizer.Adam}[spec["optimizer"]]
+        loss = {"cce": losses.CategoricalCrossentropy, "mse": losses.MeanSquaredError}[spec["loss"]]
+        with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
+            try:
+                with stderr_to(log.name):
+                    self.session = session(spec["model"])
+                    self.session.compile(optimizer=opt(learning_rate=spec["learning_rate"]),
+                                         loss=loss(), batch_size=spec["batch"])
+            except Exception as e:  # onert raises OnertError with only a status code
+                raise Refused(refusal_reason(log.read()) or repr(e)) from None
+        self.loader = DataLoader([x], [y], batch_size=spec["batch"])
+        self.phases = []  # what train() computes per epoch but only prints
+        run_phase = self.session._run_phase
+
+        def recording(*args, **kwargs):
+            self.phases.append(run_phase(*args, **kwargs))
+            return self.phases[-1]
+        self.session._run_phase = recording
+
+    def epochs(self, n: int) -> dict:
+        """EPOCH_TIMES, and the time of session.train() alone (forward, backward and
+        update in onert's core) per step: (loss, io ms/step, train ms/step) per epoch."""
+        del self.phases[:]
+        epoch_ms = self.session.train(self.loader, n)["EPOCH_TIMES"]
+        return {"epoch_ms": epoch_ms, "compute_ms_per_step": [p[2] for p in self.phases]}
+
+    def final_loss(self) -> float:
+        batch_losses = [self.session.eval_step(xb, yb)["loss"][0] for xb, yb in self.loader]
+        return float(np.mean(batch_losses))
+
+
+RUNTIMES = {"microtrain": ("microtrain.trainer", Microtrain),
+            "onert": ("onert.experimental.train", Onert)}
+
+
+def serve(runtime: str) -> None:
+    module, make = RUNTIMES[runtime]
+    reply = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # onert prints its progress on stdout
+    __import__(module)
+    baseline = peak_kib()
+
+    def send(message: dict) -> None:
+        reply.write(json.dumps(message) + "\n")
+
+    spec = json.loads(sys.stdin.readline())
+    x, y = np.load(spec["x"]), np.load(spec["y"])
+    try:
+        runner = make(spec, x, y)
+    except Refused as e:
+        send({"baseline_kib": baseline, "refused": str(e)})
+        return
+    send({"baseline_kib": baseline, "refused": None})
+    for line in sys.stdin:
+        request = json.loads(line)
+        if "epochs" in request:
+            send(runner.epochs(request["epochs"]))
+        else:  # finish: the peak before the evaluation below can raise it
+            peak = peak_kib()
+            send({"peak_kib": peak, "final_loss": runner.final_loss()})
+            return
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
