@@ -336,7 +336,9 @@ def _notes(rows: list[dict]) -> list[str]:
 
 def markdown(report: dict) -> str:
     s = report["settings"]
-    lines = [f"Machine: {describe(report['machine'])}.", "",
+    load = report["load_average"]
+    lines = [f"Machine: {describe(report['machine'])}; 1-minute load average {load['start']:.2f} "
+             f"before the run, {load['end']:.2f} after.", "",
              f"Batch {BATCH}; SGD lr {LEARNING_RATES['sgd']}, Adam lr {LEARNING_RATES['adam']}; "
              f"medians over {s['rounds']} rounds x {s['epochs']} epochs per runtime after a "
              "discarded warm-up epoch, the two runtimes alternating.", "",
@@ -401,7 +403,7 @@ def main(models, rounds, epochs, quick, markdown_path, json_path, profile):
     start = time.perf_counter()
     report = {"machine": machine(), "settings": {"batch": BATCH, "learning_rates": LEARNING_RATES,
                                                  "rounds": rounds, "epochs": epochs},
-              "rows": []}
+              "rows": [], "load_average": {"start": os.getloadavg()[0]}}
     with tempfile.TemporaryDirectory() as tmp:
         ws = Workspace(Path(tmp), QUICK_SAMPLES if quick else None)
         for name in models:
@@ -412,6 +414,7 @@ def main(models, rounds, epochs, quick, markdown_path, json_path, profile):
                     row["profile"] = profile_epoch(ws, row)
                 report["rows"].append(row)
     report["elapsed_s"] = time.perf_counter() - start
+    report["load_average"]["end"] = os.getloadavg()[0]  # other work on the machine skews times
     text = markdown(report)
     click.echo(text)
     for row in report["rows"]:
