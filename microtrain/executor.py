@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .arena import Arena
 from .artifacts import Artifacts
 from .errors import UserError
 from .graph import BATCH, Graph, concrete_shape
@@ -37,39 +38,69 @@ class Memory:
     """Every array of the forward and backprop graphs, allocated for `batch` rows.
 
     The trainable weights live in one flat fp32 master buffer (the optimizer
-    updates it in one go) and their gradients in another.  With fp16 weights the
-    graphs read a rounded working copy, refreshed after every update."""
+    updates it in one go) and their gradients in another.  A weight trained only
+    in some rows (`rows` in the training metadata) keeps its frozen rows just
+    before or after that buffer, so that the graphs still read one contiguous
+    tensor.  With fp16 weights the graphs read a rounded working copy, refreshed
+    after every update.  Tensors placed by the memory plan are views into one
+    arena (microtrain/arena.py); the others get arrays of their own."""
 
     def __init__(self, art: Artifacts, batch: int):
-        trainable = list(art.training["trainable"])
-        sizes = [art.weights[t].size for t in trainable]
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-        self.offsets = {t: (int(lo), int(hi)) for t, lo, hi in zip(trainable, offsets, offsets[1:])}
-        self.params = np.empty(offsets[-1], np.float32)  # fp32 master copy of all weights
-        self.grads = np.zeros(offsets[-1], np.float32)
         self.half_weights = TYPES[precision(art)["weights"]] == HALF
-        self.working = np.empty_like(self.params) if self.half_weights else self.params
-        self._round_working = rounder(self.working) if self.half_weights else None
-        self.param_views, self.grad_views, working_views = {}, {}, {}
-        for t, (lo, hi) in self.offsets.items():
-            shape = art.weights[t].shape
-            self.param_views[t] = self.params[lo:hi].reshape(shape)
-            self.param_views[t][...] = art.weights[t]
-            self.grad_views[t] = self.grads[lo:hi].reshape(shape)
-            working_views[t] = self.working[lo:hi].reshape(shape)
-        self.refresh_weights()
-        self.forward = self._allocate(art.forward, batch, working_views)
+        working_views = self._lay_out_weights(art)
+        plan = art.links.get("memory") if art.backprop is not None else None
+        self.arena = Arena(plan, batch, art.backprop_path) if plan else None
+        self.forward = self._allocate(art.forward, batch,
+                                      {**self._planned(art.forward, "forward"), **working_views})
         self.backprop = None
         if art.backprop is not None:
-            aliases = {b: self.forward[f] for b, f in art.links["forward"]}
+            aliases = self._planned(art.backprop, "backprop")
+            aliases.update({b: self.forward[f] for b, f in art.links["forward"]})
             aliases.update({g: self.grad_views[t] for g, t in art.links["gradients"]})
             self.backprop = self._allocate(art.backprop, batch, aliases)
+
+    def _lay_out_weights(self, art: Artifacts) -> dict:
+        """Fill the flat buffers and views; returns the views the graphs read."""
+        spans = _trained_spans(art)
+        sizes = [hi - lo for lo, hi in spans.values()]
+        ends = np.cumsum([0] + sizes).astype(int)
+        self.offsets = {t: (int(lo), int(hi)) for t, lo, hi in zip(spans, ends, ends[1:])}
+        first, last = list(spans)[0], list(spans)[-1]
+        lead, tail = spans[first][0], art.weights[last].size - spans[last][1]
+        backing = np.empty(lead + ends[-1] + tail, np.float32)
+        self.params = backing[lead:lead + ends[-1]]  # fp32 master copy of all trained elements
+        self.grads = np.zeros(ends[-1], np.float32)
+        self.param_views, self.grad_views = {}, {}
+        starts = {t: lead + self.offsets[t][0] - spans[t][0] for t in spans}
+        for t, start in starts.items():
+            w = art.weights[t]
+            self.param_views[t] = backing[start:start + w.size].reshape(w.shape)
+            self.param_views[t][...] = w
+            lo, hi = self.offsets[t]
+            self.grad_views[t] = self.grads[lo:hi].reshape((-1,) + w.shape[1:])
+        if not self.half_weights:
+            self.working = self.params
+            return dict(self.param_views)
+        working = backing.astype(HALF).astype(np.float32)  # frozen rows rounded once
+        self.working = working[lead:lead + ends[-1]]
+        self._half = np.empty(self.params.shape, HALF)
+        return {t: working[start:start + art.weights[t].size].reshape(art.weights[t].shape)
+                for t, start in starts.items()}
 
     def refresh_weights(self) -> None:
         """Round the master weights into the fp16 working copy."""
         if self.half_weights:
-            np.copyto(self.working, self.params)
-            self._round_working()
+            np.copyto(self._half, self.params, casting="unsafe")
+            np.copyto(self.working, self._half)
+
+    def _planned(self, g: Graph, graph: str) -> dict:
+        return self.arena.views(g, graph, _float) if self.arena else {}
+
+    @staticmethod
+    def constant(t, half_weights: bool) -> np.ndarray:
+        """A constant tensor as the graphs read it (fp16 weights: rounded)."""
+        data = t.data.astype(HALF) if half_weights and t.data.dtype.kind == "f" else t.data
+        return np.ascontiguousarray(data, _float(t.dtype))
 
     def _allocate(self, g: Graph, batch: int, given: dict) -> list:
         arrays = []
@@ -77,9 +108,7 @@ class Memory:
             if t.index in given:
                 arrays.append(given[t.index])
             elif t.data is not None:
-                data = t.data.astype(HALF) if self.half_weights and t.data.dtype.kind == "f" \
-                    else t.data
-                arrays.append(np.ascontiguousarray(data, _float(t.dtype)))
+                arrays.append(self.constant(t, self.half_weights))
             else:
                 arrays.append(np.zeros(concrete_shape(t.shape, batch), _float(t.dtype)))
         return arrays
@@ -92,6 +121,25 @@ class Memory:
                 seen.add(id(base))
                 total += base.nbytes
         return total
+
+
+def _trained_spans(art: Artifacts) -> dict[int, tuple[int, int]]:
+    """Trainable tensor -> the elements [lo, hi) of its flattened data that train:
+    all, or the rows given in the training metadata.  Frozen rows can only lie
+    before the first trained elements or after the last ones."""
+    rows = {int(t): r for t, r in art.training.get("rows", {}).items()}
+    trainable = list(art.training["trainable"])
+    spans = {}
+    for i, t in enumerate(trainable):
+        w = art.weights[t]
+        n = w.shape[0] if w.ndim else 1
+        lo, hi = rows.get(t, (0, n))
+        if not (0 <= lo < hi <= n and (lo == 0 or i == 0) and (hi == n or i == len(trainable) - 1)):
+            raise UserError(art.frozen_path, f"trainable rows {lo}..{hi} of tensor {t} do not fit "
+                                             f"its {n} rows or are not at the start or end of the "
+                                             "trainable tensors")
+        spans[t] = (lo * (w.size // n), hi * (w.size // n))
+    return spans
 
 
 @dataclass

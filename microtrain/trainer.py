@@ -5,6 +5,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .arena import held_bytes
 from .artifacts import load_artifacts
 from .data import batch_indices
 from .errors import UserError
@@ -298,5 +299,7 @@ class Trainer:
         write_wof(path or self.art.wof_path, len(self.art.forward.tensors), self.weights())
 
     def memory_bytes(self) -> int:
-        return self.memory.nbytes()
+        """Bytes of every array the trainer holds: arena, weights, optimizer state,
+        kernel scratch, loaded files (each memory block once)."""
+        return held_bytes(self)
 
