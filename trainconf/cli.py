@@ -6,10 +6,12 @@ import click
 
 from microtrain.cli_common import CommandGroup, print_json
 from microtrain.format.model import load_model
+from microtrain.optimizers import OPTIMIZERS
 
 from .backprop import LOSSES, REDUCTIONS
 from .importer import import_tflite
-from .inspect import describe, render_text
+from .inspect import describe, planned_memory, render_text
+from .memory import peak_text
 from .split import PRECISIONS, split
 
 MODEL = click.Path(dir_okay=False, path_type=Path)
@@ -35,12 +37,22 @@ def import_command(model: Path, output: Path | None):
 
 @main.command("inspect")
 @click.argument("model", type=MODEL)
+@click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adam",
+              show_default=True, help="Optimizer of the memory estimate of a split model.")
+@click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True,
+              help="Batch size of the memory estimate of a split model.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON document instead of text  [default: text]")
-def inspect_command(model: Path, as_json: bool):
+def inspect_command(model: Path, as_json: bool, optimizer: str, batch_size: int):
     """Show MODEL (.circle or .tflite): subgraphs, inputs and outputs (with a
-    dynamic or fixed batch), every operator, constant tensors and totals."""
-    desc = describe(load_model(model))
+    dynamic or fixed batch), every operator, constant tensors and totals; for a
+    STEM.frozen.circle beside its .wof and backprop graph, the planned peak
+    memory of a training step."""
+    loaded = load_model(model)
+    desc = describe(loaded)
+    memory = planned_memory(model, loaded, batch_size, optimizer)
+    if memory:
+        desc["memory"] = memory
     if as_json:
         print_json(desc)
     else:
@@ -71,6 +83,14 @@ def inspect_command(model: Path, as_json: bool):
               help="Type of activations  [default: --precision]")
 @click.option("--grad-dtype", type=click.Choice(list(PRECISIONS)),
               help="Type of gradients in the backprop graph  [default: --precision]")
+@click.option("--memory-budget", metavar="SIZE",
+              help="Choose what trains so that the planned peak memory fits SIZE (bytes, or "
+                   "e.g. 64KiB, 1.5MB): the weighted ops nearest the output first, the lowest "
+                   "one possibly only its bias or some output channels. Replaces --trainable.")
+@click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adam",
+              show_default=True, help="Optimizer of the memory estimate (its state per weight).")
+@click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True,
+              help="Batch size of the memory estimate.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON document instead of text  [default: text]")
 def split_command(model: Path, outdir: Path | None, as_json: bool, **options):
@@ -84,6 +104,10 @@ def split_command(model: Path, outdir: Path | None, as_json: bool, **options):
     click.echo(f"trainable: {summary['trainable_tensors']} tensors, "
                f"{summary['trainable_parameters']} parameters; loss {summary['loss']} "
                f"({summary['reduction']}); backprop graph: {summary['backprop_ops']} operators")
+    budget = summary["memory"].get("budget")
+    if budget:
+        click.echo(f"memory budget {budget['bytes']} bytes: trains {budget['text']}")
+    click.echo(peak_text(summary["memory"]))
     for name, f in summary["files"].items():
         click.echo(f"  {name:9} {f['path']}  {f['bytes']} bytes")
 

@@ -1,12 +1,16 @@
 """`trainconf inspect`: what a model holds, as a dict (for --json) or as text."""
+from pathlib import Path
+
 import numpy as np
 
+from microtrain.artifacts import TRAINING_META, load_artifacts, sibling
 from microtrain.format import circle_generated as circle
-from microtrain.format.model import (TYPE_NAMES, enum_names, int_list, op_name,
+from microtrain.format.model import (TYPE_NAMES, enum_names, get_metadata, int_list, op_name,
                                      options_dict)
 
 from .fold import FOLDABLE
 from .gradients import RULES
+from .memory import measure_scratch, peak, peak_text, scratch_points
 
 ACTIVATIONS = enum_names(circle.ActivationFunctionType)
 
@@ -30,6 +34,22 @@ def describe(model: circle.ModelT) -> dict:
         "totals": {key: sum(sg["totals"][key] for sg in subgraphs)
                    for key in ("operators", "constants", "parameters", "bytes")},
     }
+
+
+def planned_memory(path: Path, model: circle.ModelT, batch: int, optimizer: str) -> dict | None:
+    """The planned peak of a training step for a frozen model written by
+    `trainconf split` whose .wof and backprop graph lie beside it; else None."""
+    files = {"frozen": Path(path), "wof": sibling(Path(path), ".wof"),
+             "backprop": sibling(Path(path), ".backprop.circle")}
+    if get_metadata(model, TRAINING_META) is None or not all(f.exists() for f in files.values()):
+        return None
+    art = load_artifacts(path)
+    plan = art.links.get("memory")
+    if plan is None:
+        return None
+    if list(scratch_points(batch)) != plan["kernel_scratch_measured_at"]:
+        plan["kernel_scratch"] = measure_scratch(art, batch)  # exact at this batch
+    return peak(art, batch, optimizer, {name: f.stat().st_size for name, f in files.items()})
 
 
 def _subgraph(model, s: int, sg) -> dict:
@@ -102,6 +122,8 @@ def render_text(desc: dict) -> str:
     n = desc["totals"]
     lines.append(f"total: {n['operators']} operators, {n['constants']} constant tensors, "
                  f"{n['parameters']} parameters, {n['bytes']} bytes")
+    if desc.get("memory"):
+        lines.append(peak_text(desc["memory"]))
     return "\n".join(lines)
 
 

@@ -12,10 +12,12 @@ from microtrain.errors import UserError
 from microtrain.format.model import load_model, model_to_bytes, set_metadata
 from microtrain.format.wof import wof_to_bytes
 from microtrain.graph import BATCH, Graph, graph_of
-from microtrain.artifacts import BACKPROP_META, TRAINING_META
+from microtrain.artifacts import BACKPROP_META, TRAINING_META, Artifacts
 
-from .backprop import LOGITS_OF, LOSSES, REDUCTIONS, Backprop, build_backprop
+from .backprop import LOGITS_OF, LOSSES, REDUCTIONS, Backprop, Builder, build_backprop
+from .budget import fit_budget, parse_size
 from .fold import fold_shape_chains
+from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .select import select_trainable
 from .writer import graph_to_model, set_constant
 
@@ -30,6 +32,7 @@ class SplitResult:
     loss: str
     reduction: str
     precision: dict
+    memory: dict  # the planned peak of a training step, by part (trainconf.memory.peak)
 
     def summary(self) -> dict:
         files = {k: {"path": str(p), "bytes": p.stat().st_size}
@@ -38,7 +41,7 @@ class SplitResult:
                 "trainable_parameters": sum(t["parameters"] for t in self.trainable),
                 "trainable": self.trainable, "backprop_ops": self.backprop_ops,
                 "loss": self.loss, "reduction": self.reduction, "precision": self.precision,
-                "files": files}
+                "memory": self.memory, "files": files}
 
 
 def _activations(g: Graph) -> set[int]:
@@ -138,45 +141,145 @@ def output_paths(model_path: Path, out_dir: Path | None) -> tuple[Path, Path, Pa
 def split(model_path, out_dir=None, trainable: str = "all", loss: str | None = None,
           reduction: str = "mean", freeze_bias: bool = False, precision: str = "fp32",
           weight_dtype: str | None = None, activation_dtype: str | None = None,
-          grad_dtype: str | None = None) -> SplitResult:
-    """Write STEM.frozen.circle, STEM.wof and STEM.backprop.circle for MODEL."""
+          grad_dtype: str | None = None, memory_budget: str | int | None = None,
+          optimizer: str = "adam", batch_size: int = 32) -> SplitResult:
+    """Write STEM.frozen.circle, STEM.wof and STEM.backprop.circle for MODEL.
+    The planned peak memory is estimated for `batch_size` and `optimizer`; with
+    `memory_budget` (bytes, or a size such as "64KiB") what trains is chosen so
+    that it fits (trainconf/budget.py) instead of by `trainable`."""
     model_path = Path(model_path)
-    model = load_model(model_path)
     try:
         types = resolve_precision(precision, weight_dtype, activation_dtype, grad_dtype)
-        return _split(model, model_path, out_dir, trainable, loss, reduction, freeze_bias, types)
+        if batch_size < 1:
+            raise UserError(None, f"--batch-size must be at least 1, got {batch_size}")
+
+        def make(choose) -> Built:
+            return build(model_path, choose, loss, reduction, types, batch_size)
+        if memory_budget is None:
+            built = make(lambda g: (select_trainable(g, trainable, freeze_bias), {}))
+            budget = None
+        else:
+            if trainable != "all" or freeze_bias:
+                raise UserError(None, "--memory-budget chooses what trains: leave out "
+                                      "--trainable and --freeze-bias")
+            graph = load_prepared(model_path, types)[1]
+            built, budget = fit_budget(make, graph, parse_size(memory_budget), batch_size, optimizer)
+        return write(built, model_path, out_dir, batch_size, optimizer, budget)
     except UserError as e:
         if str(e).startswith(f"{model_path}:"):
             raise
         raise UserError(model_path, str(e)) from None
 
 
-def _split(model, model_path, out_dir, trainable, loss, reduction, freeze_bias, types) -> SplitResult:
+@dataclass
+class Built:
+    """The three files of one choice of trainable weights, in memory, and the
+    artifacts the runtime would load from them."""
+    frozen: bytes
+    wof: bytes
+    backprop: bytes
+    art: Artifacts
+    rows: dict[int, tuple[int, int]]
+
+    def peak(self, batch: int, optimizer: str) -> dict:
+        files = {"frozen": len(self.frozen), "wof": len(self.wof), "backprop": len(self.backprop)}
+        return peak(self.art, batch, optimizer, files)
+
+
+def load_prepared(model_path: Path, types: dict):
+    """The model and its forward graph with a symbolic batch, folded, typed."""
+    model = load_model(model_path)
     g = graph_of(model)
     make_batch_symbolic(model, g)
     g = fold(model, g)
     set_activation_dtype(model, g, PRECISIONS[types["activations"]])
-    weights = select_trainable(g, trainable, freeze_bias)
+    return model, g
+
+
+def build(model_path: Path, choose, loss, reduction, types, batch_size: int) -> Built:
+    """Split the model at `model_path`; `choose(graph)` returns the trainable
+    tensors (in execution order) and the rows {tensor: (lo, hi)} of those that
+    train only some of their rows.  The kernel scratch is measured at batch 1
+    and `batch_size`."""
+    model, g = load_prepared(model_path, types)
+    weights, rows = choose(g)
     loss = loss or default_loss(g)
     if loss not in LOSSES or reduction not in REDUCTIONS:
         raise UserError(None, f"unknown loss {loss!r} or reduction {reduction!r}")
-    bp = build_backprop(g, weights, loss, reduction, PRECISIONS[types["gradients"]])
+    grad_dtype = PRECISIONS[types["gradients"]]
+    bp = build_backprop(g, weights, loss, reduction, grad_dtype)
+    slice_rows(bp, g, rows, grad_dtype)
     arrays = cut_weights(model, weights)
-    set_metadata(model, TRAINING_META, json.dumps({
+    training = {
         "version": 1, "loss": loss, "reduction": reduction, "trainable": weights,
         "precision": types,
         "stable_logits_loss": LOGITS_OF.get(loss) == g.producers()[g.outputs[0]].type
         if g.outputs[0] in g.producers() else False,
-    }).encode())
+    }
+    if rows:
+        training["rows"] = {str(t): list(r) for t, r in rows.items()}
+    set_metadata(model, TRAINING_META, json.dumps(training).encode())
     frozen_bytes = model_to_bytes(model)
+    for t in weights:  # as the runtime reads the frozen model
+        g.tensors[t].data = None
+    meta = _backprop_meta(bp, frozen_bytes)
+    meta["memory"] = plan_memory(g, bp.graph, meta, weights)
+    art = Artifacts(model_path, model_path, None, g, training, arrays, bp.graph, meta)
+    meta["memory"]["kernel_scratch"] = measure_scratch(art, batch_size)
+    meta["memory"]["kernel_scratch_measured_at"] = scratch_points(batch_size)
     backprop_model = graph_to_model(bp.graph, "microtrain backprop graph",
-                                    {BACKPROP_META: json.dumps(_backprop_meta(bp, frozen_bytes)).encode()})
+                                    {BACKPROP_META: json.dumps(meta).encode()})
+    return Built(frozen_bytes, wof_to_bytes(len(g.tensors), arrays), model_to_bytes(backprop_model),
+                 art, rows)
+
+
+ROW_GRADS = ("FullyConnectedWeightGrad", "Conv2DWeightGrad")  # dW rows = output channels of dY
+
+
+def slice_rows(bp: Backprop, g: Graph, rows: dict, grad_dtype) -> None:
+    """Make the gradient of each weight trained only in rows lo..hi hold just
+    those rows: its weight-gradient operator reads only those output channels of
+    the incoming gradient, cut by a SLICE inserted right before it."""
+    b = Builder(g, grad_dtype)
+    b.tensors, b.ops = bp.graph.tensors, bp.graph.ops  # append to the built graph
+    producers = bp.graph.producers()
+    for grad, w in bp.gradients:
+        if w not in rows:
+            continue
+        op = producers.get(grad)
+        if op is None or op.type not in ROW_GRADS:
+            raise UserError(None, f"tensor {w} ({g.tensors[w].name}) can train only some rows "
+                                  "when one FULLY_CONNECTED or CONV_2D operator reads it")
+        (lo, hi), dz = rows[w], op.inputs[0]
+        shape = b.shape_of(dz)
+        begin = np.array([0] * (len(shape) - 1) + [lo], np.int32)
+        size = np.array([-1 if d == BATCH else d for d in shape[:-1]] + [hi - lo], np.int32)
+        (part,) = b.emit_many("SLICE", [dz, b.const(begin, "begin"), b.const(size, "size")],
+                              [shape[:-1] + (hi - lo,)], [f"{b.tensors[dz].name}/rows"])
+        b.ops.insert(b.ops.index(op), b.ops.pop())
+        op.inputs[0] = part
+        b.tensors[grad].shape = (hi - lo,) + b.tensors[grad].shape[1:]
+    for i, op in enumerate(b.ops):
+        op.index = i
+
+
+def write(built: Built, model_path: Path, out_dir, batch_size: int, optimizer: str,
+          budget: dict | None) -> SplitResult:
     frozen_path, wof_path, backprop_path = output_paths(model_path, out_dir)
     frozen_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(frozen_path, frozen_bytes)
-    atomic_write(wof_path, wof_to_bytes(len(g.tensors), arrays))
-    atomic_write(backprop_path, model_to_bytes(backprop_model))
-    info = [{"index": t, "name": g.tensors[t].name, "shape": list(g.tensors[t].shape),
-             "parameters": int(np.prod(g.tensors[t].shape))} for t in weights]
-    return SplitResult(frozen_path, wof_path, backprop_path, info, len(bp.graph.ops), loss, reduction,
-                       types)
+    atomic_write(frozen_path, built.frozen)
+    atomic_write(wof_path, built.wof)
+    atomic_write(backprop_path, built.backprop)
+    art = built.art
+    info = []
+    for t in art.training["trainable"]:
+        shape = art.weights[t].shape
+        lo, hi = built.rows.get(t, (0, shape[0] if shape else 1))
+        info.append({"index": t, "name": art.forward.tensors[t].name, "shape": list(shape),
+                     "rows": [lo, hi], "parameters": int(np.prod(shape[1:])) * (hi - lo)})
+    memory = built.peak(batch_size, optimizer)
+    if budget:
+        memory["budget"] = budget
+    return SplitResult(frozen_path, wof_path, backprop_path, info, len(art.backprop.ops),
+                       art.training["loss"], art.training["reduction"], art.training["precision"],
+                       memory)

@@ -1,0 +1,156 @@
+"""`trainconf split --memory-budget`: what trains fits the budget, a run stays
+within it and still learns; partial updates (bias only, some output channels)
+train exactly those parameters; sizes and bad budgets give clear errors."""
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from microtrain.format.wof import read_wof
+from microtrain.format.model import load_model
+from microtrain.trainer import Trainer
+from test_memory_plan import DATA, data
+from trainconf.budget import parse_size, stages
+from trainconf.cli import main
+from trainconf.split import build, load_prepared, resolve_precision, split
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TYPES = resolve_precision()
+
+
+@pytest.mark.parametrize("text,size", [("65536", 65536), ("64KiB", 65536), ("1.5MB", 1500000),
+                                       ("2 kb", 2000), (".5GiB", 2 ** 29), ("100B", 100)])
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["64Q", "", "-1", "1e3", "KiB", "1.5.2MB"])
+def test_bad_sizes(text):
+    with pytest.raises(Exception, match="is not a size"):
+        parse_size(text)
+
+
+def peak_of_stage(model: str, i: int, k: int, batch: int, optimizer: str) -> int:
+    """The planned peak of choice i (k rows for a "rows" choice)."""
+    path = FIXTURES / f"{model}.tflite"
+    choice = stages(load_prepared(path, TYPES)[1])[i]
+    built = build(path, lambda g: choice.choose(g, k), None, "mean", TYPES, batch)
+    return built.peak(batch, optimizer)["total"]
+
+
+def losses_before_and_after(frozen: Path, model: str, batch: int, optimizer: str):
+    trainer = Trainer(frozen, batch_size=batch, optimizer=optimizer, learning_rate=0.01)
+    x, t = data(model, 4 * batch)  # whole batches: the step the plan is for
+    before = trainer.evaluate([x], [t])["loss"]
+    trainer.fit([x], [t], epochs=3, shuffle=False)
+    return before, trainer.evaluate([x], [t])["loss"], trainer
+
+
+@pytest.mark.parametrize("model", list(DATA))
+def test_a_budget_run_fits_and_learns(model, tmp_path):
+    """A budget halfway between the smallest choice and training everything."""
+    batch, optimizer = (8 if model == "mobilenetv2" else 32), "adam"
+    smallest = peak_of_stage(model, 0, 1, batch, optimizer)
+    whole = split(FIXTURES / f"{model}.tflite", tmp_path / "all", batch_size=batch,
+                  optimizer=optimizer).memory["total"]
+    budget = (smallest + whole) // 2
+    result = split(FIXTURES / f"{model}.tflite", tmp_path, memory_budget=budget,
+                   batch_size=batch, optimizer=optimizer)
+    assert smallest <= result.memory["total"] <= budget
+    before, after, trainer = losses_before_and_after(result.frozen, model, batch, optimizer)
+    assert trainer.memory_bytes() <= budget
+    assert after < before
+
+
+def test_everything_trains_when_it_fits(tmp_path):
+    whole = split(FIXTURES / "cnn.tflite", tmp_path / "all")
+    result = split(FIXTURES / "cnn.tflite", tmp_path, memory_budget=whole.memory["total"])
+    assert result.trainable == whole.trainable
+    assert {d["part"] for d in result.memory["budget"]["trains"]} == {"all"}
+
+
+def test_bias_only(tmp_path):
+    """The smallest choice trains the last layer's bias; its kernel stays as it was."""
+    budget = peak_of_stage("mlp", 0, 1, 32, "adam")
+    result = split(FIXTURES / "mlp.tflite", tmp_path, memory_budget=budget)
+    (bias,) = [t["index"] for t in result.trainable]
+    frozen = load_model(result.frozen)
+    assert result.memory["budget"]["trains"][0]["part"] == "bias"
+    before, after, trainer = losses_before_and_after(result.frozen, "mlp", 32, "adam")
+    assert after < before
+    assert not np.array_equal(trainer.weights()[bias], read_wof(result.wof, frozen)[bias])
+
+
+def test_some_output_channels(tmp_path):
+    """A budget between choices 1 (last layer's kernel rows) and 2 (all of it):
+    the gradient is exactly those rows of the full gradient; training changes
+    only them, and the .wof keeps the whole kernel."""
+    k = 4
+    budget = peak_of_stage("mlp", 1, k, 32, "adam")
+    assert budget < peak_of_stage("mlp", 1, k + 1, 32, "adam")
+    result = split(FIXTURES / "mlp.tflite", tmp_path / "part", memory_budget=budget)
+    kernel, lo, hi = next((t["index"], *t["rows"]) for t in result.trainable if t["rows"][0])
+    assert (lo, hi) == (10 - k, 10) and result.memory["budget"]["trains"][0]["rows"] == [lo, hi]
+    full = split(FIXTURES / "mlp.tflite", tmp_path / "full", trainable="last:1")
+    x, t = data("mlp", 32)
+    _, part_grads = Trainer(result.frozen, batch_size=32).gradients([x], [t])
+    _, full_grads = Trainer(full.frozen, batch_size=32).gradients([x], [t])
+    np.testing.assert_allclose(part_grads[kernel], full_grads[kernel][lo:hi], rtol=1e-6, atol=1e-9)
+    original = read_wof(result.wof, load_model(result.frozen))[kernel].copy()
+    before, after, trainer = losses_before_and_after(result.frozen, "mlp", 32, "adam")
+    assert after < before
+    trainer.save_weights()
+    saved = read_wof(result.wof, load_model(result.frozen))[kernel]
+    assert saved.shape == original.shape
+    np.testing.assert_array_equal(saved[:lo], original[:lo])
+    assert np.all(np.any(saved[lo:] != original[lo:], axis=1))  # every trained row moved
+
+
+def test_some_output_channels_with_fp16_weights(tmp_path):
+    """The frozen rows are read rounded to fp16, like the trained ones."""
+    path = FIXTURES / "cnn.tflite"
+    types = resolve_precision("fp16")
+    choices = stages(load_prepared(path, types)[1])
+    i = next(i for i, c in enumerate(choices) if c.part == "rows")
+    built = build(path, lambda g: choices[i].choose(g, 3), None, "mean", types, 32)
+    result = split(path, tmp_path, precision="fp16", memory_budget=built.peak(32, "adam")["total"])
+    trainer = Trainer(result.frozen, batch_size=32)
+    x, t = data("cnn", 64)
+    trainer.fit([x], [t], epochs=1)
+    assert abs(trainer.memory_bytes() - result.memory["total"]) <= 0.1 * result.memory["total"]
+    kernel = trainer.art.training["trainable"][0]
+    lo = trainer.art.training["rows"][str(kernel)][0]
+    working = trainer.memory.forward[kernel]
+    np.testing.assert_array_equal(working, working.astype(np.float16))
+    np.testing.assert_array_equal(trainer.memory.param_views[kernel][:lo],
+                                  trainer.art.weights[kernel][:lo])
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_cli_prints_the_choice_and_its_peak(tmp_path):
+    run = invoke("split", FIXTURES / "mlp.tflite", "-o", tmp_path, "--memory-budget", "60KiB",
+                 "--optimizer", "sgd", "--batch-size", 16)
+    assert run.exit_code == 0, run.output
+    lines = run.stdout.splitlines()
+    assert lines[1].startswith("memory budget 61440 bytes: trains op ")
+    peak = int(lines[2].split(": ")[1].split()[0])
+    assert lines[2].startswith("planned peak at batch 16 with sgd: ") and peak <= 61440
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--memory-budget", "1KiB"], "--memory-budget 1024 bytes: even the smallest trainable set "
+                                  r"\(op 1 \(.*\): bias\) needs \d+ bytes at batch 32 with adam"),
+    (["--memory-budget", "64Q"], "--memory-budget '64Q' is not a size"),
+    (["--memory-budget", "1MB", "--trainable", "last:1"], "--memory-budget chooses what trains"),
+])
+def test_cli_errors(tmp_path, args, message):
+    run = invoke("split", FIXTURES / "mlp.tflite", "-o", tmp_path, *args)
+    assert run.exit_code != 0
+    (line,) = run.stderr.splitlines()
+    assert line.startswith(f"Error: {FIXTURES / 'mlp.tflite'}: ")
+    assert re.search(message, line), line

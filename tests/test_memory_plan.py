@@ -1,0 +1,223 @@
+"""The memory plan of `trainconf split` and the arena microtrain runs the step in:
+replaying a step over the planned bytes, no tensor is overwritten before its
+last read, for several batch sizes; the arena needs no more than the live bytes
+of the busiest step; training in the arena is bit-identical to training with an
+array per tensor; the planned peak agrees with the bytes microtrain holds."""
+import itertools
+import json
+import shutil
+from math import prod
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from microtrain.arena import linear
+from microtrain.artifacts import BACKPROP_META, load_artifacts
+from microtrain.errors import UserError
+from microtrain.format.model import get_metadata, load_model, save_model, set_metadata
+from microtrain.graph import concrete_shape
+from microtrain.trainer import Trainer
+from trainconf.cli import main
+from trainconf.split import split
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DATA = {"mlp": ("digits_x", "digits_onehot"), "residual_mlp": ("digits_x", "digits_onehot"),
+        "cnn": ("digits_images", "digits_onehot"), "depthwise": ("digits_images", "digits_onehot"),
+        "regression": ("diabetes_x", "diabetes_y"), "mobilenetv2": None}
+MODELS = list(DATA)
+
+
+def data(model: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    if DATA[model] is None:  # random images for the network without a data set of its own
+        rng = np.random.default_rng(3)
+        return (rng.random((n, 32, 32, 3), dtype=np.float32),
+                np.eye(10, dtype=np.float32)[rng.integers(0, 10, n)])
+    x, t = DATA[model]
+    return np.load(FIXTURES / f"{x}.npy")[:n], np.load(FIXTURES / f"{t}.npy")[:n]
+
+
+@pytest.fixture(scope="module")
+def splits(tmp_path_factory):
+    """split(model, **options) once per set of options."""
+    made = {}
+
+    def get(model: str, **options):
+        key = (model, tuple(sorted(options.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(model)
+            made[key] = split(FIXTURES / f"{model}.tflite", out, **options)
+        return made[key]
+    return get
+
+
+# -- replaying a step over the planned bytes -----------------------------------------------------
+
+def _ranges(art, batch: int) -> tuple[dict, dict]:
+    """(graph, tensor) -> its 4-byte words [lo, hi) in the arena at `batch`; and
+    -> its bytes with each sample's share rounded up to the plan's alignment."""
+    ranges, sizes, align = {}, {}, art.links["memory"]["align"]
+    for graph, g in (("forward", art.forward), ("backprop", art.backprop)):
+        for t, a, c in art.links["memory"][graph]:
+            tensor = g.tensors[t]
+            itemsize = 4 if tensor.dtype.kind == "f" else tensor.dtype.itemsize
+            shape = concrete_shape(tensor.shape, batch)
+            lo = linear((a, c), batch)
+            hi = lo + prod(shape) * itemsize
+            ranges[graph, t] = (lo // 4, -(-hi // 4))
+            rows = shape[0] if tensor.shape and tensor.shape[0] == -1 else 1
+            sizes[graph, t] = rows * -(-prod(shape) * itemsize // rows // align) * align
+    return ranges, sizes
+
+
+def replay(art, batch: int) -> int:
+    """Run one step's writes and reads over the arena's words, each word
+    remembering which write it holds; every read must find its tensor's own
+    write.  Returns the live bytes of the busiest step (a lower bound on the
+    arena for these lives and this alignment)."""
+    (ranges, sizes), links = _ranges(art, batch), art.links
+    alias = {b: f for b, f in links["forward"]}
+    words = np.full(1 + max(hi for _, hi in ranges.values()), -1)
+    version, lives, counter = {}, {}, itertools.count()
+
+    def key(graph, t):
+        return ("forward", alias[t]) if graph == "backprop" and t in alias else (graph, t)
+
+    def write(k, step, same_as=None):
+        if k in ranges:
+            version[k] = version[same_as] if same_as else next(counter)
+            words[slice(*ranges[k])] = version[k]
+            lives.setdefault(version[k], [step, step, sizes[k]])
+
+    def read(k, step):
+        if k in ranges:
+            assert (words[slice(*ranges[k])] == version[k]).all(), f"{k} overwritten before step {step}"
+            lives[version[k]][1] = step
+
+    for t in art.forward.inputs:
+        write(("forward", t), 0)
+    for t in links["targets"]:
+        write(("backprop", t), 0)
+    step = 0
+    for graph, g in (("forward", art.forward), ("backprop", art.backprop)):
+        for op in g.ops:
+            step += 1
+            ins = [key(graph, t) for t in op.inputs if t >= 0]
+            for k in ins:
+                read(k, step)
+            outs = [key(graph, t) for t in op.outputs]
+            in_place = op.type in ("RESHAPE", "SQUEEZE") and outs[0] in ranges and \
+                ranges[outs[0]] == ranges.get(ins[0])
+            for k in outs:
+                write(k, step, ins[0] if in_place else None)
+    for k in [("forward", t) for t in art.forward.outputs] + \
+             [("backprop", t) for t in links["targets"] + [links["loss"]]]:
+        read(k, step + 1)
+    live = np.zeros(step + 2, np.int64)
+    for first, last, size in lives.values():
+        live[first:last + 1] += size
+    return int(live.max())
+
+
+@pytest.mark.parametrize("trainable", ["all", "last:1"])
+@pytest.mark.parametrize("model", MODELS)
+def test_no_tensor_is_overwritten_before_its_last_read(splits, model, trainable):
+    art = load_artifacts(splits(model, trainable=trainable).frozen)
+    for batch in (1, 5, 32):
+        busiest = replay(art, batch)
+        # greedy packing reaches the busiest step's live bytes (up to alignment)
+        assert busiest <= linear(art.links["memory"]["arena"], batch) <= 1.01 * busiest + 64
+
+
+def test_activations_below_the_trained_layers_are_not_kept(splits):
+    whole = load_artifacts(splits("mobilenetv2").frozen).links["memory"]["arena"]
+    last = load_artifacts(splits("mobilenetv2", trainable="last:1").frozen).links["memory"]["arena"]
+    assert linear(last, 32) < linear(whole, 32) / 3
+
+
+def test_a_reshape_shares_its_input_memory(splits):
+    """cnn flattens its pooled features with a RESHAPE: both lie at one offset."""
+    art = load_artifacts(splits("cnn").frozen)
+    offsets = {t: (a, c) for t, a, c in art.links["memory"]["forward"]}
+    reshape = next(op for op in art.forward.ops if op.type == "RESHAPE")
+    assert offsets[reshape.inputs[0]] == offsets[reshape.outputs[0]]
+
+
+# -- the runtime in the arena --------------------------------------------------------------------
+
+def edit_plan(frozen: Path, folder: Path, change) -> Path:
+    """A copy of the split files in `folder` whose backprop metadata went through `change`."""
+    for f in frozen.parent.glob(frozen.name.replace(".frozen.circle", ".*")):
+        shutil.copy(f, folder / f.name)
+    path = folder / frozen.name.replace(".frozen.circle", ".backprop.circle")
+    model = load_model(path)
+    meta = json.loads(get_metadata(model, BACKPROP_META))
+    change(meta)
+    set_metadata(model, BACKPROP_META, json.dumps(meta).encode())
+    save_model(model, path)
+    return folder / frozen.name
+
+
+def without_plan(frozen: Path, folder: Path) -> Path:
+    return edit_plan(frozen, folder, lambda meta: meta.pop("memory"))
+
+
+@pytest.mark.parametrize("model,precision", [("mlp", "fp32"), ("residual_mlp", "fp32"),
+                                             ("cnn", "fp32"), ("depthwise", "fp32"),
+                                             ("regression", "fp32"), ("mlp", "fp16"),
+                                             ("cnn", "fp16")])
+def test_training_in_the_arena_is_bit_identical(splits, tmp_path, model, precision):
+    """300 samples in batches of 32: the last batch is partial (its own views)."""
+    frozen = splits(model, precision=precision).frozen
+    x, t = data(model, 300)
+    runs = []
+    for path in (frozen, without_plan(frozen, tmp_path)):
+        trainer = Trainer(path, batch_size=32, optimizer="adam")
+        history = trainer.fit([x], [t], epochs=2, shuffle=False)
+        runs.append((trainer.memory.arena is not None, [r["loss"] for r in history],
+                     trainer.memory.params.copy()))
+    (planned, losses, weights), (unplanned, losses_own, weights_own) = runs
+    assert planned and not unplanned
+    assert losses == losses_own
+    np.testing.assert_array_equal(weights, weights_own)
+
+
+CASES = [(m, "fp32", "adam", 8 if m == "mobilenetv2" else 32) for m in MODELS] + \
+        [("mlp", "fp32", "sgd", 32), ("cnn", "fp32", "momentum", 16), ("mlp", "fp16", "adam", 32),
+         ("cnn", "fp16", "adam", 32), ("depthwise", "fp16", "sgd", 8)]
+
+
+@pytest.mark.parametrize("model,precision,optimizer,batch", CASES,
+                         ids=["-".join(map(str, c)) for c in CASES])
+def test_planned_peak_agrees_with_the_bytes_microtrain_holds(splits, model, precision,
+                                                             optimizer, batch):
+    result = splits(model, precision=precision, optimizer=optimizer, batch_size=batch)
+    trainer = Trainer(result.frozen, batch_size=batch, optimizer=optimizer)
+    x, t = data(model, 2 * batch)
+    trainer.fit([x], [t], epochs=1)
+    planned, held = result.memory["total"], trainer.memory_bytes()
+    assert abs(held - planned) <= 0.1 * planned, (held, result.memory)
+
+
+def test_inspect_reports_the_planned_peak_at_any_batch(splits):
+    result = splits("cnn")
+    run = CliRunner().invoke(main, ["inspect", str(result.frozen), "--json", "--batch-size", "32"])
+    assert run.exit_code == 0, run.output
+    assert json.loads(run.stdout)["memory"] == result.memory
+    run = CliRunner().invoke(main, ["inspect", str(result.frozen), "--batch-size", "5",
+                                    "--optimizer", "sgd"])
+    line = run.stdout.splitlines()[-1]
+    assert line.startswith("planned peak at batch 5 with sgd: ")
+    trainer = Trainer(result.frozen, batch_size=5, optimizer="sgd")
+    x, t = data("cnn", 5)
+    trainer.check_data([x], [t])  # prepares the step at batch 5
+    planned = int(line.split(": ")[1].split()[0])
+    assert abs(trainer.memory_bytes() - planned) <= 0.1 * planned
+
+
+def test_a_plan_outside_the_arena_is_refused(splits, tmp_path):
+    frozen = edit_plan(splits("mlp").frozen, tmp_path,
+                       lambda meta: meta["memory"].update(arena=[0, 16]))
+    with pytest.raises(UserError, match=r"mlp\.backprop\.circle: memory plan: .* does not fit"):
+        Trainer(frozen, batch_size=4)

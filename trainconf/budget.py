@@ -1,0 +1,124 @@
+"""`trainconf split --memory-budget`: choose what trains so that the planned
+peak memory of a training step fits a budget.
+
+The choices grow from the output toward the input, as the train ranks of
+onert-micro's training configure tool: the last weighted operator's bias alone,
+then some of its output channels (the last k rows of its kernel, with the whole
+bias), then all of it; then the same for the operator before it with every later
+one fully trained.  More training needs more memory along that order (more
+gradients, optimizer state and kept activations), so bisection finds the
+largest choice that fits, and then the largest k.
+"""
+import re
+from dataclasses import dataclass
+
+from microtrain.errors import UserError
+from microtrain.graph import Graph, Op
+
+from .select import weighted_ops
+
+UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3,
+         "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3}
+# Operators whose kernel's leading axis is the output channel: a block of its rows
+# is contiguous, so it can be a slice of the runtime's flat parameter buffer.
+ROW_OPS = ("FULLY_CONNECTED", "CONV_2D")
+
+
+def parse_size(text) -> int:
+    """Bytes from 65536, "64KiB", "1.5MB" (KB/MB/GB: powers of 1000; KiB/MiB/GiB: of 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in UNITS:
+        raise UserError(None, f"--memory-budget {text!r} is not a size (examples: 65536, "
+                              "64KiB, 1.5MB)")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+@dataclass
+class Stage:
+    """Train `part` ("bias", "rows" or "all") of `op` and all of the `later` ops."""
+    op: Op
+    part: str
+    later: list[Op]
+
+    def choose(self, g: Graph, k: int):
+        """The trainable tensors (execution order) and partial rows; `k` rows for "rows"."""
+        kernel, bias = self.op.inputs[1], _bias(self.op)
+        tensors = [t for op in self.later for t in (op.inputs[1], _bias(op)) if t is not None]
+        rows = {}
+        if self.part != "bias":
+            tensors.append(kernel)
+        if bias is not None:
+            tensors.append(bias)
+        if self.part == "rows":
+            out = g.tensors[kernel].shape[0]
+            rows[kernel] = (out - k, out)
+        order = {t: i for i, t in reversed(list(enumerate(t for op in g.ops for t in op.inputs)))}
+        return sorted(tensors, key=order.__getitem__), rows
+
+    def describe(self, g: Graph, k: int) -> list[dict]:
+        """What trains, by operator (named by its kernel tensor)."""
+        mine = {"op": self.op.index, "kernel": g.tensors[self.op.inputs[1]].name, "part": self.part}
+        if self.part == "rows":
+            out = g.tensors[self.op.inputs[1]].shape[0]
+            mine["rows"] = [out - k, out]
+        return [mine] + [{"op": op.index, "kernel": g.tensors[op.inputs[1]].name, "part": "all"}
+                         for op in self.later]
+
+
+def _bias(op: Op) -> int | None:
+    return op.inputs[2] if len(op.inputs) > 2 and op.inputs[2] >= 0 else None
+
+
+def stages(g: Graph) -> list[Stage]:
+    """Every choice, smallest first."""
+    result, later = [], []
+    for op in reversed(weighted_ops(g)):
+        if _bias(op) is not None:
+            result.append(Stage(op, "bias", list(later)))
+        if op.type in ROW_OPS and g.tensors[op.inputs[1]].shape[0] > 1:
+            result.append(Stage(op, "rows", list(later)))
+        result.append(Stage(op, "all", list(later)))
+        later.insert(0, op)
+    return result
+
+
+def text(trains: list[dict]) -> str:
+    """`op 2 (dense_1/kernel): kernel rows 54..64 and bias; op 4 (...): all`."""
+    def one(d):
+        part = f"kernel rows {d['rows'][0]}..{d['rows'][1]} and bias" if d["part"] == "rows" \
+            else d["part"]
+        return f"op {d['op']} ({d['kernel']}): {part}"
+    return "; ".join(one(d) for d in trains)
+
+
+def _last_fitting(fits, lo: int, hi: int) -> int:
+    """The largest i in lo..hi with fits(i), given fits(lo) and a monotone fits."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def fit_budget(make, g: Graph, budget: int, batch: int, optimizer: str):
+    """The largest choice whose planned peak fits `budget` bytes: its Built
+    (make(choose) builds one choice) and a summary of the choice."""
+    choices = stages(g)
+    built: dict = {}
+
+    def peak_of(i: int, k: int = 1) -> int:
+        if (i, k) not in built:
+            b = make(lambda graph: choices[i].choose(graph, k))
+            built[i, k] = b, b.peak(batch, optimizer)["total"]
+        return built[i, k][1]
+    if peak_of(0) > budget:
+        raise UserError(None, f"--memory-budget {budget} bytes: even the smallest trainable set "
+                              f"({text(choices[0].describe(g, 1))}) needs {peak_of(0)} bytes at "
+                              f"batch {batch} with {optimizer}")
+    i = _last_fitting(lambda j: peak_of(j) <= budget, 0, len(choices) - 1)
+    k = 1
+    if choices[i].part == "rows":
+        out = g.tensors[choices[i].op.inputs[1]].shape[0]
+        k = _last_fitting(lambda n: peak_of(i, n) <= budget, 1, out - 1)
+    trains = choices[i].describe(g, k)
+    return built[i, k][0], {"bytes": budget, "trains": trains, "text": text(trains),
+                            "evaluated": len(built)}

@@ -1,0 +1,279 @@
+"""The memory plan of one training step (schemas/memory.md).
+
+A step runs in this order: the inputs and targets are loaded (step 0), the
+forward operators run (steps 1..F), then the backprop operators (F+1..F+K),
+then the update reads the gradients while the loss, outputs and targets are
+read for the metrics (step F+K+1).  Every tensor that is not a weight, a weight
+gradient or a constant lives from the step that writes it to the last step that
+reads it; a forward activation lives only until the last backprop operator
+reading it, and one that no backprop operator reads dies in the forward pass.
+Tensors whose lives do not overlap share memory in one arena.
+
+The batch size B is symbolic, so sizes are a*B (a tensor with a batch axis) or
+c (one without).  The arena has two regions, [fixed | batch], each packed on
+its own: the fixed region in bytes, the batch region in bytes per sample.  A
+tensor of the batch region at per-sample offset o lies at byte c_total + o*B,
+so one plan is valid (non-overlapping, 8-byte aligned) for every B >= 1.
+"""
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+
+from microtrain.arena import held_bytes, linear
+from microtrain.artifacts import Artifacts
+from microtrain.executor import Hooks, Memory, _trained_spans, compile_plan, precision
+from microtrain.executor import _float as runtime_dtype
+from microtrain.graph import BATCH, Graph, concrete_shape
+from microtrain.loss_scale import LossScale
+from microtrain.optimizers import make_optimizer
+from microtrain.precision import Underflow
+
+VERSION = 1
+ALIGN = 8  # every runtime type's size divides it; wider alignment measured no faster
+IN_PLACE = ("RESHAPE", "SQUEEZE")  # their kernel does nothing when output and input share memory
+PARTS = ["arena", "kernel_scratch", "other_tensors", "weights", "gradients", "optimizer_state",
+         "constants", "files"]
+
+
+@dataclass
+class Need:
+    """The memory one tensor (or several aliased tensors) needs."""
+    keys: list  # (graph, index): graph is "forward" or "backprop"
+    size: int  # bytes, per sample in the batch region
+    batch: bool
+    first: int  # step that writes it
+    last: int  # last step that reads it
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _runtime_size(t) -> tuple[int, bool] | None:
+    """(bytes, per sample?) the runtime allocates for t; None when the size is
+    not linear in the batch size (the tensor then keeps an array of its own)."""
+    batch_axes = [i for i, d in enumerate(t.shape) if d == BATCH]
+    if batch_axes not in ([], [0]):
+        return None
+    elements = prod(d for d in t.shape if d != BATCH)
+    return _aligned(elements * runtime_dtype(t.dtype).itemsize), bool(batch_axes)
+
+
+class _Steps:
+    """When each tensor of the step is written and last read, keyed by
+    (graph, index); backprop tensors linked to forward ones use the forward key."""
+
+    def __init__(self, links: dict):
+        self.alias = {b: f for b, f in links["forward"]}
+        self.first: dict = {}
+        self.last: dict = {}
+
+    def key(self, graph: str, t: int) -> tuple:
+        return ("forward", self.alias[t]) if graph == "backprop" and t in self.alias else (graph, t)
+
+    def write(self, key, step: int) -> None:
+        self.first.setdefault(key, step)
+        self.last.setdefault(key, step)
+
+    def read(self, key, step: int) -> None:
+        self.last[key] = max(self.last.get(key, step), step)
+
+
+def lifetimes(fwd: Graph, bp: Graph, links: dict) -> _Steps:
+    steps = _Steps(links)
+    end = len(fwd.ops) + len(bp.ops) + 1
+    for t in fwd.inputs:
+        steps.write(("forward", t), 0)
+    for t in links["targets"]:
+        steps.write(("backprop", t), 0)
+    for offset, graph, g in ((1, "forward", fwd), (1 + len(fwd.ops), "backprop", bp)):
+        for i, op in enumerate(g.ops):
+            for t in op.inputs:
+                if t >= 0:
+                    steps.read(steps.key(graph, t), offset + i)
+            for t in op.outputs:
+                steps.write(steps.key(graph, t), offset + i)
+    # read after the step: the metrics (outputs, targets) and the loss
+    for key in [("forward", t) for t in fwd.outputs] + \
+               [("backprop", t) for t in links["targets"] + [links["loss"]]]:
+        steps.read(key, end)
+    return steps
+
+
+def _step_tensors(fwd: Graph, bp: Graph, links: dict, trainable: list[int]) -> list[tuple]:
+    """Keys of the tensors the arena may hold: neither constants nor weights nor
+    weight gradients (those live in flat buffers) nor linked backprop tensors."""
+    linked = {b for b, _ in links["forward"]} | {g for g, _ in links["gradients"]}
+    keys = [("forward", t.index) for t in fwd.tensors
+            if t.data is None and t.index not in trainable]
+    return keys + [("backprop", t.index) for t in bp.tensors
+                   if t.data is None and t.index not in linked]
+
+
+def _in_place(graphs: dict, steps: _Steps, planned: set) -> dict:
+    """Key -> the key whose memory it shares: outputs of copies (RESHAPE) share
+    their input's memory when both are planned, of the same type and region."""
+    root: dict = {}
+
+    def find(k):
+        while k in root:
+            k = root[k]
+        return k
+    for graph, g in graphs.items():
+        for op in g.ops:
+            if op.type not in IN_PLACE:
+                continue
+            x, y = steps.key(graph, op.inputs[0]), steps.key(graph, op.outputs[0])
+            tx, ty = graphs[x[0]].tensors[x[1]], graphs[y[0]].tensors[y[1]]
+            if {x, y} <= planned and tx.dtype == ty.dtype and _runtime_size(tx) == _runtime_size(ty):
+                root[y] = find(x)
+    return {k: find(k) for k in root}
+
+
+def needs(fwd: Graph, bp: Graph, links: dict, trainable: list[int]) -> list[Need]:
+    """The memory needs of the step's tensors whose size is linear in the batch
+    size (any other keeps an array of its own)."""
+    graphs = {"forward": fwd, "backprop": bp}
+    steps = lifetimes(fwd, bp, links)
+    planned = [k for k in _step_tensors(fwd, bp, links, trainable)
+               if _runtime_size(graphs[k[0]].tensors[k[1]]) is not None]
+    shared = _in_place(graphs, steps, set(planned))
+    groups: dict = {}
+    for k in planned:
+        groups.setdefault(shared.get(k, k), []).append(k)
+    result = []
+    for root, keys in groups.items():
+        size, batch = _runtime_size(graphs[root[0]].tensors[root[1]])
+        touched = [k for k in keys if k in steps.first]
+        if not touched:  # neither written nor read: any place will do
+            result.append(Need(keys, size, batch, -1, -2))
+            continue
+        result.append(Need(keys, size, batch, min(steps.first[k] for k in touched),
+                           max(steps.last[k] for k in touched)))
+    return result
+
+
+def pack(region: list[Need]) -> tuple[dict[int, int], int]:
+    """Offsets (by position in `region`) with no two overlapping lives sharing
+    bytes: largest first, each at the lowest gap among the placed needs whose
+    lives overlap its own (greedy by size, as TFLite's arena planner)."""
+    order = sorted(range(len(region)), key=lambda i: (-region[i].size, region[i].first))
+    first = np.array([n.first for n in region])
+    last = np.array([n.last for n in region])
+    lo = np.zeros(len(region), np.int64)
+    hi = np.zeros(len(region), np.int64)
+    placed = np.zeros(len(region), bool)
+    for i in order:
+        n = region[i]
+        busy = placed & (first <= n.last) & (n.first <= last)
+        offset = 0
+        for start, stop in sorted(zip(lo[busy].tolist(), hi[busy].tolist())):
+            if offset + n.size <= start:
+                break
+            offset = max(offset, stop)
+        lo[i], hi[i], placed[i] = offset, offset + n.size, True
+    return {i: int(lo[i]) for i in range(len(region))}, int(hi.max(initial=0))
+
+
+def plan_memory(fwd: Graph, bp: Graph, links: dict, trainable: list[int]) -> dict:
+    """The arena layout (schemas/memory.md); `kernel_scratch` is added by `measure_scratch`."""
+    all_needs = needs(fwd, bp, links, trainable)
+    fixed = [n for n in all_needs if not n.batch]
+    batch = [n for n in all_needs if n.batch]
+    fixed_at, fixed_size = pack(fixed)
+    batch_at, per_sample = pack(batch)
+    entries = {"forward": [], "backprop": []}
+    for region, at, form in ((fixed, fixed_at, lambda o: [0, o]),
+                             (batch, batch_at, lambda o: [o, fixed_size])):
+        for i, n in enumerate(region):
+            for graph, t in n.keys:
+                entries[graph].append([t] + form(at[i]))
+    return {"version": VERSION, "align": ALIGN, "arena": [per_sample, fixed_size],
+            "forward": sorted(entries["forward"]), "backprop": sorted(entries["backprop"])}
+
+
+# -- the bytes of a whole step ------------------------------------------------------------------
+
+def _fit(measure, at: tuple[int, int]) -> list[int]:
+    """[a, c] of the line through measure(n) at the two points `at` (in whole
+    bytes per unit: exact at the second point, within n2 - n1 bytes at the first)."""
+    (n1, n2), (m1, m2) = at, (measure(n) for n in at)
+    a = (m2 - m1) // (n2 - n1)
+    return [a, m2 - a * n2]
+
+
+def scratch_points(batch: int) -> tuple[int, int]:
+    """Where the kernel scratch is measured: at batch 1 and the planned batch."""
+    return (1, batch) if batch > 1 else (1, 2)
+
+
+def measure_scratch(art: Artifacts, batch: int) -> list[int]:
+    """Bytes the kernels (and the fp16 rounding) keep in their closures, as
+    [a, c] in the batch size: kernels own their scratch, so the planner prepares
+    microtrain's own step and counts what the closures hold beyond the graphs'
+    arrays.  Exact at batch 1 and `batch`; between or beyond them a line (the
+    fp16 rounding takes more scratch per element from 4096 elements on)."""
+    def at(n: int) -> int:
+        mem = Memory(art, n)
+        plan = compile_plan(art, mem, n, Hooks(art, LossScale(), Underflow()))
+        return held_bytes(plan, exclude=(mem, art))
+    return _fit(at, scratch_points(batch))
+
+
+def optimizer_bytes(name: str, parameters: int) -> int:
+    """State and scratch vectors of optimizer `name` over `parameters` weights."""
+    return linear(_fit(lambda n: held_bytes(make_optimizer(name, n)), (1, 2)), parameters)
+
+
+def _own_arrays(art: Artifacts, batch: int) -> int:
+    """Bytes of the step's tensors left out of the arena (arrays of their own)."""
+    plan, graphs = art.links["memory"], {"forward": art.forward, "backprop": art.backprop}
+    placed = {(graph, t) for graph in graphs for t, *_ in plan[graph]}
+    own = [graphs[graph].tensors[t] for graph, t in
+           _step_tensors(art.forward, art.backprop, art.links, art.training["trainable"])
+           if (graph, t) not in placed]
+    return sum(prod(concrete_shape(t.shape, batch)) * runtime_dtype(t.dtype).itemsize for t in own)
+
+
+def _constant_copies(art: Artifacts, half_weights: bool) -> int:
+    """Bytes of the constants the runtime converts (fp16 weights) instead of
+    reading them from the loaded model."""
+    constants = [t for g in (art.forward, art.backprop) for t in g.tensors if t.data is not None]
+    copies = (Memory.constant(t, half_weights) for t in constants)
+    return sum(c.nbytes for t, c in zip(constants, copies) if not np.shares_memory(c, t.data))
+
+
+def _loaded_files(art: Artifacts, files: dict[str, int]) -> int:
+    """Bytes of the loaded files the runtime keeps: the .wof (its arrays are views
+    of it) and each model whose constants it reads (views of the file's bytes)."""
+    kept = {"wof": True, "frozen": any(t.data is not None for t in art.forward.tensors),
+            "backprop": any(t.data is not None for t in art.backprop.tensors)}
+    return sum(size for name, size in files.items() if kept[name])
+
+
+def peak(art: Artifacts, batch: int, optimizer: str, files: dict[str, int]) -> dict:
+    """The bytes a training step at `batch` rows with `optimizer` holds, by part.
+    `files` are the sizes of the three files ("frozen", "wof", "backprop")."""
+    plan = art.links["memory"]
+    stored = sum(w.size for w in art.weights.values())  # with the frozen rows of partial ones
+    trained = sum(hi - lo for lo, hi in _trained_spans(art).values())
+    half = precision(art)["weights"] == "fp16"
+    parts = {
+        "arena": linear(plan["arena"], batch),
+        "kernel_scratch": linear(plan["kernel_scratch"], batch),
+        "other_tensors": _own_arrays(art, batch),
+        "weights": 4 * stored + (4 * stored + 2 * trained if half else 0),
+        "gradients": 4 * trained,
+        "optimizer_state": optimizer_bytes(optimizer, trained),
+        "constants": _constant_copies(art, half),
+        "files": _loaded_files(art, files),
+    }
+    return {"batch_size": batch, "optimizer": optimizer, **parts, "total": sum(parts.values())}
+
+
+def peak_text(memory: dict) -> str:
+    """One line: the total and its non-zero parts."""
+    parts = ", ".join(f"{name.replace('_', ' ')} {memory[name]}" for name in PARTS if memory[name])
+    return (f"planned peak at batch {memory['batch_size']} with {memory['optimizer']}: "
+            f"{memory['total']} bytes ({parts})")
