@@ -83,12 +83,12 @@ def stages(g: Graph) -> list[Stage]:
 
 
 def text(trains: list[dict]) -> str:
-    """`op 2 (dense_1/kernel): kernel rows 54..64 and bias; op 4 (...): all`."""
-    def one(d):
-        part = f"kernel rows {d['rows'][0]}..{d['rows'][1]} and bias" if d["part"] == "rows" \
-            else d["part"]
-        return f"op {d['op']} ({d['kernel']}): {part}"
-    return "; ".join(one(d) for d in trains)
+    """`op 2 (dense_1/kernel): kernel rows 54..64 and bias; all of the 1 weighted op after it`."""
+    lowest, later = trains[0], len(trains) - 1
+    part = f"kernel rows {lowest['rows'][0]}..{lowest['rows'][1]} and bias" \
+        if lowest["part"] == "rows" else lowest["part"]
+    after = f"; all of the {later} weighted op{'s' * (later > 1)} after it" if later else ""
+    return f"op {lowest['op']} ({lowest['kernel']}): {part}{after}"
 
 
 def _last_fitting(fits, lo: int, hi: int) -> int:
