@@ -232,3 +232,20 @@ def test_float32_closure_reads_inputs_at_call_time(kernel, loss, options):
                                           [(1,), y.shape], loss=loss, **options)
         np.testing.assert_allclose(value, expected_value, rtol=1e-5)
         np.testing.assert_allclose(dy, expected_dy, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["cce", "sparse_cce"])
+@pytest.mark.parametrize("scale_logits", [1.0, 200.0])  # 200: softmax underflows to 0 somewhere
+def test_logits_loss_reading_the_softmax_output(loss, scale_logits):
+    """With the forward softmax output as a third input, LogitsLoss gives the same
+    loss and gradient (float32) as from the logits alone, falling back to the
+    logits where the output has underflowed at a target class."""
+    z = (rng.standard_normal((9, 6)) * scale_logits).astype(np.float32)
+    t = targets(loss, (9, 6)).astype(np.float32)
+    y = run("SOFTMAX", [z], [z.shape], np.float32, beta=0.7)[0]
+    options = dict(loss=loss, activation="softmax", beta=0.7, reduction="mean")
+    want = run("LogitsLoss", [z, t], [(1,), z.shape], np.float32, **options)
+    got = run("LogitsLoss", [z, t, y], [(1,), z.shape], np.float32, **options)
+    assert np.isfinite(got[0][0])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-7)

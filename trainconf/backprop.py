@@ -134,7 +134,9 @@ def _seed_loss(b: Builder, loss: str, reduction: str, skip: set[int],
             options = dict(activation=final.type.lower(), loss=loss, reduction=reduction)
             if final.type == "SOFTMAX":
                 options["beta"] = float(final.options.get("beta", 1.0))
-            value, dz = b.emit_many("LogitsLoss", [b.forward(z), target], [(1,), b.fwd.tensors[z].shape],
+            # the softmax output lets the runtime skip recomputing it
+            inputs = [b.forward(z), target] + ([b.forward(out)] if final.type == "SOFTMAX" else [])
+            value, dz = b.emit_many("LogitsLoss", inputs, [(1,), b.fwd.tensors[z].shape],
                                     [f"loss/{y.name}", f"grad/{b.fwd.tensors[z].name}"],
                                     [FLOAT32, b.grad_dtype], **options)
             skip.add(final.index)

@@ -210,15 +210,52 @@ def _sigmoid_xent(z, t, out, dz, scale):
     return step
 
 
+def _softmax_xent_from_output(z, t, y, out, dz, scale, beta, sparse):
+    """The same loss and gradient read off y = softmax(beta*z), which the forward
+    pass has computed already:  L = -scale * sum(t * log y);
+    dz = beta * scale * (y*T - t).  Where y has underflowed to 0 at a target
+    class, log y is -inf: that step takes the logits path instead."""
+    y2, dz2, logs = rows(y), rows(dz), np.empty_like(rows(y))
+    if sparse:
+        prepare, target = _one_hot(t, y2)
+        totals = None
+    else:
+        target, totals = rows(t.reshape(y.shape)), np.empty((y2.shape[0], 1), y.dtype)
+        prepare = row_sums(target, totals)
+    k = full(dz2, beta * scale)
+    from_logits = _softmax_xent(z, t, out, dz, scale, beta, sparse)
+
+    def step():
+        prepare()
+        with np.errstate(divide="ignore"):
+            np.log(y2, out=logs)
+        value = -scale * np.vdot(target, logs)
+        if not np.isfinite(value):
+            from_logits()
+            return
+        out[0] = value
+        if totals is None:
+            np.subtract(y2, target, out=dz2)
+        else:
+            np.multiply(y2, totals, out=dz2)
+            np.subtract(dz2, target, out=dz2)
+        np.multiply(dz2, k, out=dz2)
+    return step
+
+
 @kernel("LogitsLoss")
 def logits_loss(inputs, outputs, loss="cce", activation="softmax", beta=1.0,
                 reduction="mean", **_):
     """Loss of act(z) for a model whose final op is `activation`, computed from
     the logits z (Keras' from_logits path): cce/sparse_cce on softmax(beta*z),
-    bce on sigmoid(z)."""
-    (z, t), (out, dz) = inputs, outputs
+    bce on sigmoid(z).  A third input, the forward softmax output, lets
+    cce/sparse_cce skip recomputing the softmax."""
+    (z, t, *y), (out, dz) = inputs, outputs
     scale = _scale(z, reduction)
     if activation == "softmax" and loss in ("cce", "sparse_cce"):
+        if y and y[0] is not None:
+            return _softmax_xent_from_output(z, t, y[0], out, dz, scale, beta,
+                                             loss == "sparse_cce")
         return _softmax_xent(z, t, out, dz, scale, beta, loss == "sparse_cce")
     if activation == "logistic" and loss == "bce":
         return _sigmoid_xent(z, t, out, dz, scale)
