@@ -1,27 +1,60 @@
-"""Metrics as Keras computes them, accumulated over batches as (total, count)."""
+"""Metrics as Keras computes them, accumulated over batches as (total, count).
+
+Like kernels, a metric is a factory: bound once to a plan's output and target
+arrays, it returns a closure that measures the batch they hold."""
 import numpy as np
 
 HIGHER_IS_BETTER = {"accuracy": True, "mae": False, "mse": False, "loss": False}
 
 
-def accuracy(y: np.ndarray, t: np.ndarray, loss: str) -> tuple[float, int]:
-    if loss == "sparse_cce":
-        hits = np.argmax(y, axis=-1) == t.reshape(y.shape[:-1]).astype(np.int64)
-    elif loss == "bce" or y.shape[-1] == 1:
-        hits = (y > 0.5) == (t > 0.5)
+def accuracy(y: np.ndarray, t: np.ndarray, loss: str):
+    """A closure counting the correct predictions of a batch: (hits, predictions)."""
+    rows = y.shape[:-1]
+    hits = np.empty(rows if loss != "bce" and y.shape[-1] > 1 else y.shape, bool)
+    if loss == "bce" or y.shape[-1] == 1:  # one probability per output
+        t2, above = t.reshape(y.shape), np.empty(y.shape, bool)
+
+        def compare():
+            np.greater(y, 0.5, out=hits)
+            np.greater(t2, 0.5, out=above)
+            np.equal(hits, above, out=hits)
     else:
-        hits = np.argmax(y, axis=-1) == np.argmax(t, axis=-1)
-    return float(np.count_nonzero(hits)), hits.size
+        predicted = np.empty(rows, np.intp)
+        if loss == "sparse_cce":
+            wanted = t.reshape(rows)
+
+            def compare():
+                np.argmax(y, axis=-1, out=predicted)
+                np.equal(predicted, wanted, out=hits)
+        else:
+            wanted = np.empty(rows, np.intp)
+
+            def compare():
+                np.argmax(y, axis=-1, out=predicted)
+                np.argmax(t, axis=-1, out=wanted)
+                np.equal(predicted, wanted, out=hits)
+
+    def step() -> tuple[float, int]:
+        compare()
+        return int(np.count_nonzero(hits)), hits.size
+    return step
 
 
-def mae(y: np.ndarray, t: np.ndarray, loss: str) -> tuple[float, int]:
-    return float(np.abs(y - t.reshape(y.shape)).sum()), y.size
+def _error(power: int):
+    def metric(y: np.ndarray, t: np.ndarray, loss: str):
+        """A closure summing |y - t|**power over a batch: (sum, elements)."""
+        t2, d = t.reshape(y.shape), np.empty_like(y)
+        ufunc = np.abs if power == 1 else np.square
+
+        def step() -> tuple[float, int]:
+            np.subtract(y, t2, out=d)
+            ufunc(d, out=d)
+            return float(np.add.reduce(d, axis=None)), d.size
+        return step
+    return metric
 
 
-def mse(y: np.ndarray, t: np.ndarray, loss: str) -> tuple[float, int]:
-    return float(np.square(y - t.reshape(y.shape)).sum()), y.size
-
-
+mae, mse = _error(1), _error(2)
 METRICS = {"accuracy": accuracy, "mae": mae, "mse": mse}
 
 

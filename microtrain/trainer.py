@@ -16,6 +16,7 @@ from .precision import Underflow
 from .metrics import HIGHER_IS_BETTER, METRICS, default_metric
 from .optimizers import make_optimizer
 from .schedules import make_schedule
+from .shuffle import Shuffler
 
 
 class Diverged(Exception):
@@ -79,6 +80,7 @@ class Trainer:
         self._accum_weight, self._accum_count = 0, 0
         self.epoch = 0
         self._plans: dict[int, Plan] = {}
+        self._meters: dict[int, Callable[[], tuple[float, int]]] = {}
 
     # -- data ---------------------------------------------------------------------------------
     def _plan(self, rows: int) -> Plan:
@@ -127,8 +129,13 @@ class Trainer:
         for src, dst in zip(ts, plan.targets):
             np.copyto(dst, src[idx], casting="unsafe")
 
-    def _measure(self, plan: Plan) -> tuple[float, int]:
-        return METRICS[self.metric](plan.outputs[0], plan.targets[0], self.loss_name)
+    def _meter(self, rows: int):
+        """The metric's closure over the plan of `rows` rows."""
+        if rows not in self._meters:
+            plan = self._plan(rows)
+            self._meters[rows] = METRICS[self.metric](plan.outputs[0], plan.targets[0],
+                                                      self.loss_name)
+        return self._meters[rows]
 
     # -- training -----------------------------------------------------------------------------
     def _forward_backward(self, plan: Plan) -> float:
@@ -174,20 +181,21 @@ class Trainer:
             self.memory.refresh_weights()
         self.scaler.update(finite)
 
-    def train_epoch(self, xs, ts, shuffle: bool, rng: np.random.Generator,
+    def train_epoch(self, xs, ts, shuffle: bool, rng: Shuffler,
                     tick: Callable[[int], None] | None = None) -> dict:
         totals, busy, steps = Totals(), 0.0, 0
         skipped = self.scaler.skipped
         for idx in batch_indices(len(xs[0]), self.batch_size, shuffle, rng):
-            plan = self._plan(len(idx))
+            rows = len(idx)
+            plan = self._plan(rows)
             self._load(plan, xs, ts, idx)
             start = time.perf_counter()
-            loss = self.train_step(plan, len(idx))
+            loss = self.train_step(plan, rows)
             busy += time.perf_counter() - start
             steps += 1
-            totals.add(loss, len(idx), self._measure(plan))
+            totals.add(loss, rows, self._meter(rows)())
             if tick:
-                tick(len(idx))
+                tick(rows)
         self.flush()
         self.epoch += 1
         return {"epoch": self.epoch, "loss": totals.mean_loss(),
@@ -203,7 +211,7 @@ class Trainer:
 
     def fit(self, inputs, targets, epochs: int = 5, shuffle: bool = True, seed: int | None = None,
             test: tuple | None = None, on_epoch: Callable[[dict], None] | None = None,
-            rng: np.random.Generator | None = None, progress=None) -> list[dict]:
+            rng: Shuffler | None = None, progress=None) -> list[dict]:
         """Train until `epochs` epochs are done (counting those already done);
         returns one record per epoch trained now.  `progress(length, label)`, if
         given, makes a progress bar (a context manager with `update(n)`)."""
@@ -212,7 +220,7 @@ class Trainer:
             raise UserError(None, f"--batch-size {self.batch_size} is larger than the data set "
                                   f"({len(xs[0])} samples)")
         test_data = self.check_data(*test) if test else None
-        rng = rng if rng is not None else np.random.default_rng(seed)
+        rng = rng if rng is not None else Shuffler(seed)
         history = []
         while self.epoch < epochs:
             snapshot = self.memory.params.copy()
@@ -267,7 +275,7 @@ class Trainer:
             self._load(plan, xs, ts, idx)
             plan.run_forward()
             plan.run_loss()
-            totals.add(float(plan.loss[0]), len(idx), self._measure(plan))
+            totals.add(float(plan.loss[0]), len(idx), self._meter(len(idx))())
         return {"loss": totals.mean_loss(), self.metric: totals.metric_value(),
                 "samples": totals.samples}
 
