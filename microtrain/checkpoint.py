@@ -15,12 +15,12 @@ import numpy as np
 
 from .atomic import atomic_write
 from .errors import UserError
+from .shuffle import Shuffler
 
 FORMAT = "microtrain-checkpoint"
 VERSION = 1
 _STATE_PREFIX = "optimizer/"
 # Bit generators a saved RNG state may name (numpy's own).
-_BIT_GENERATORS = {"PCG64", "PCG64DXSM", "Philox", "SFC64", "MT19937"}
 # What reading a damaged archive, JSON document or .npy member can raise.
 _DAMAGE = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, KeyError,
            TypeError, AttributeError)
@@ -34,17 +34,15 @@ class Checkpoint:
     optimizer_state: dict[str, np.ndarray]  # Optimizer.state()
     iterations: int                         # Optimizer.iterations
     epoch: int                              # epochs completed
-    rng_state: dict                         # numpy Generator.bit_generator.state
+    rng_state: dict                         # Shuffler.state(): {"seed", "draws"}
     model_sha256: str                       # sha256 of the frozen model file
     loss_scale: dict = field(default_factory=dict)   # loss-scale state, JSON values
     step: int = 0                           # training steps completed
     extra: dict = field(default_factory=dict)        # the trainer's own JSON values
 
-    def rng(self) -> np.random.Generator:
-        """A Generator continuing from the saved state."""
-        bit_generator = getattr(np.random, self.rng_state["bit_generator"])()
-        bit_generator.state = self.rng_state
-        return np.random.Generator(bit_generator)
+    def rng(self) -> Shuffler:
+        """A Shuffler continuing from the saved state."""
+        return Shuffler(**self.rng_state)
 
 
 def save_checkpoint(path, ckpt: Checkpoint) -> None:
@@ -84,7 +82,7 @@ def load_checkpoint(path, expected_model_sha: str | None) -> Checkpoint:
             arrays = {name: _read_array(archive, name)
                       for name in ["params", *(_STATE_PREFIX + k for k in meta["optimizer"]["state"])]}
         ckpt = _from_parts(meta, arrays)
-        ckpt.rng()   # a state numpy cannot restore is damage too
+        ckpt.rng()   # a state that does not make a Shuffler is damage too
     except _DAMAGE as e:
         raise UserError(path, f"damaged checkpoint ({type(e).__name__}: {e})") from None
     params = ckpt.params
@@ -121,8 +119,9 @@ def _from_parts(meta: dict, arrays: dict[str, np.ndarray]) -> Checkpoint:
     counters = [opt["iterations"], meta["epoch"], meta["step"]]
     if not all(isinstance(c, int) and c >= 0 for c in counters):
         raise ValueError(f"counters must be whole numbers >= 0, got {counters}")
-    if meta["rng_state"].get("bit_generator") not in _BIT_GENERATORS:
-        raise ValueError(f"unknown bit generator {meta['rng_state'].get('bit_generator')!r}")
+    if set(meta["rng_state"]) != {"seed", "draws"}:
+        raise ValueError(f"the shuffler state has fields {sorted(meta['rng_state'])}, "
+                         "expected seed and draws")
     return Checkpoint(
         params=arrays["params"], optimizer=opt["name"], optimizer_config=opt["config"],
         optimizer_state={k: arrays[_STATE_PREFIX + k] for k in opt["state"]},

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UserError
+from .shuffle import Shuffler
 
 # Array kinds that are numbers: bool, signed and unsigned integers, floats.
 _NUMERIC_KINDS = "biuf"
@@ -129,7 +130,7 @@ def _sample_count(arrays: Sequence[np.ndarray]) -> int:
 
 
 def batch_indices(n: int, batch_size: int, shuffle: bool,
-                  rng: np.random.Generator) -> Iterator[np.ndarray]:
+                  rng: Shuffler) -> Iterator[np.ndarray]:
     """Index arrays of one epoch's batches over `n` samples; the last may be partial.
 
     The permutation is drawn from `rng` at the call, not lazily, so the generator's

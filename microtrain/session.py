@@ -9,6 +9,7 @@ from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .data import load_array, validation_split
 from .errors import UserError
 from .loss_scale import make_loss_scale
+from .shuffle import Shuffler
 from .trainer import Trainer
 
 OPTIMIZER_KEYS = ("learning_rate", "momentum", "beta_1", "beta_2", "epsilon", "rho", "weight_decay")
@@ -44,16 +45,17 @@ def _given(kw, keys) -> dict:
     return {k: kw[k] for k in keys if kw.get(k) is not None}
 
 
-def _checkpoint_of(trainer: Trainer, rng: np.random.Generator, baseline: dict) -> Checkpoint:
+def _checkpoint_of(trainer: Trainer, rng: Shuffler, baseline: dict) -> Checkpoint:
     opt = trainer.optimizer
     return Checkpoint(params=trainer.memory.params.copy(), optimizer=trainer.optimizer_name,
                       optimizer_config=opt.config(), optimizer_state=opt.state(),
                       iterations=opt.iterations, epoch=trainer.epoch,
-                      rng_state=rng.bit_generator.state, loss_scale=trainer.scaler.state(),
+                      rng_state=rng.state(), loss_scale=trainer.scaler.state(),
                       model_sha256=trainer.art.frozen_sha256, extra={"baseline": baseline})
 
 
-def _resume(trainer: Trainer, path, rng: np.random.Generator) -> dict:
+def _resume(trainer: Trainer, path) -> tuple[dict, Shuffler]:
+    """Restore the trainer from a checkpoint; returns the baseline and the shuffler."""
     ckpt = load_checkpoint(path, trainer.art.frozen_sha256)
     if ckpt.optimizer != trainer.optimizer_name or ckpt.params.shape != trainer.memory.params.shape:
         raise UserError(path, f"holds {ckpt.optimizer} state for {ckpt.params.size} parameters; "
@@ -69,12 +71,11 @@ def _resume(trainer: Trainer, path, rng: np.random.Generator) -> dict:
         raise UserError(path, str(e)) from None
     trainer.optimizer.iterations = ckpt.iterations
     trainer.epoch = ckpt.epoch
-    rng.bit_generator.state = ckpt.rng_state
     if ckpt.loss_scale.get("kind") != trainer.scaler.kind:
         raise UserError(path, f"was saved with loss scaling {ckpt.loss_scale.get('kind')!r}; "
                               f"this run uses {trainer.scaler.kind!r}")
     trainer.scaler.load_state(ckpt.loss_scale)
-    return ckpt.extra["baseline"]
+    return ckpt.extra["baseline"], ckpt.rng()
 
 
 def make_trainer(kw, with_backprop=True) -> Trainer:
@@ -99,13 +100,12 @@ def run(on_epoch=None, progress=None, **kw) -> dict:
         test = trainer.check_data(*test, (kw.get("test_inputs") or kw["inputs"],
                                           kw.get("test_targets") or kw["targets"]))
     judge = test or (xs, ts)
-    rng = np.random.default_rng(kw.get("seed"))
     if kw.get("resume"):
         if not kw.get("checkpoint"):
             raise UserError(None, "--resume needs --checkpoint PATH")
-        baseline = _resume(trainer, kw["checkpoint"], rng)
+        baseline, rng = _resume(trainer, kw["checkpoint"])
     else:
-        baseline = trainer.evaluate(*judge)
+        baseline, rng = trainer.evaluate(*judge), Shuffler(kw.get("seed"))
 
     def epoch_done(record):
         if kw.get("checkpoint"):

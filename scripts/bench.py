@@ -267,6 +267,7 @@ def bench_config(ws: Workspace, name: str, optimizer: str, rounds: int, epochs: 
 
 def profile_epoch(ws: Workspace, row: dict) -> str:
     """cProfile of one microtrain epoch (after a warm-up epoch) as Markdown tables."""
+    from microtrain.shuffle import Shuffler
     from microtrain.trainer import Trainer
     x, y, _ = ws.data(row["model"])
     model = FIXTURES / row["model_file"] if row["model_file"].endswith(".tflite") \
@@ -274,7 +275,7 @@ def profile_epoch(ws: Workspace, row: dict) -> str:
     trainer = Trainer(ws.split(model), batch_size=BATCH, optimizer=row["optimizer"],
                       learning_rate=LEARNING_RATES[row["optimizer"]])
     xs, ts = trainer.check_data([np.load(x)], [np.load(y)])
-    rng = np.random.default_rng(0)
+    rng = Shuffler(0)
     trainer.train_epoch(xs, ts, False, rng)
     profile = cProfile.Profile()
     profile.runcall(trainer.train_epoch, xs, ts, False, rng)

@@ -31,11 +31,12 @@ def peak_kib() -> int:
 
 class Microtrain:
     def __init__(self, spec: dict, x: np.ndarray, y: np.ndarray):
+        from microtrain.shuffle import Shuffler
         from microtrain.trainer import Trainer
         self.trainer = Trainer(spec["frozen"], batch_size=spec["batch"],
                                optimizer=spec["optimizer"], learning_rate=spec["learning_rate"])
         self.xs, self.ts = self.trainer.check_data([x], [y])
-        self.rng = np.random.default_rng(0)  # unused: batches in order, as onert's DataLoader
+        self.rng = Shuffler(0)  # unused: batches in order, as onert's DataLoader
 
     def epochs(self, n: int) -> dict:
         walls, computes = [], []
