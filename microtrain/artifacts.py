@@ -1,5 +1,4 @@
 """Load the three files written by `trainconf split` and check that they belong together."""
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +9,21 @@ from .errors import UserError
 from .format.model import get_metadata, model_from_bytes
 from .format.wof import read_wof
 from .graph import Graph, graph_of
+
+try:  # CPython's own SHA-256: hashlib would load OpenSSL (~4 MB resident) just for this
+    from _sha2 import sha256  # Python 3.12+
+except ImportError:
+    try:
+        from _sha256 import sha256  # Python 3.11
+    except ImportError:
+        from hashlib import sha256
+
+
+
+def fingerprint(data: bytes) -> str:
+    """The hex SHA-256 by which a backprop graph names its frozen model."""
+    return sha256(data).hexdigest()
+
 
 # Metadata entries (schemas/backprop.md): the training setup in the frozen model,
 # and the links from the backprop graph to the forward graph.
@@ -65,7 +79,7 @@ def load_artifacts(frozen, wof=None, backprop=None, with_backprop: bool = True) 
         raise UserError(wof, f"holds tensors {sorted(weights)} but {frozen.name} trains "
                              f"tensors {sorted(training['trainable'])}: not this model's .wof")
     art = Artifacts(frozen, wof, None, graph_of(model), training, weights,
-                    frozen_sha256=hashlib.sha256(frozen_bytes).hexdigest())
+                    frozen_sha256=fingerprint(frozen_bytes))
     if with_backprop:
         _attach_backprop(art, Path(backprop) if backprop else sibling(frozen, ".backprop.circle"))
     return art

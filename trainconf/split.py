@@ -1,6 +1,5 @@
 """`trainconf split`: cut the trainable weights out of a model into a .wof and
 generate its backpropagation graph."""
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +11,7 @@ from microtrain.errors import UserError
 from microtrain.format.model import load_model, model_to_bytes, set_metadata
 from microtrain.format.wof import wof_to_bytes
 from microtrain.graph import BATCH, Graph, graph_of
-from microtrain.artifacts import BACKPROP_META, TRAINING_META, Artifacts
+from microtrain.artifacts import BACKPROP_META, TRAINING_META, Artifacts, fingerprint
 
 from .backprop import LOGITS_OF, LOSSES, REDUCTIONS, Backprop, Builder, build_backprop
 from .budget import fit_budget, parse_size
@@ -126,7 +125,7 @@ def cut_weights(model, trainable: list[int]) -> dict[int, np.ndarray]:
 
 
 def _backprop_meta(bp: Backprop, frozen_bytes: bytes) -> dict:
-    return {"version": 1, "frozen_sha256": hashlib.sha256(frozen_bytes).hexdigest(),
+    return {"version": 1, "frozen_sha256": fingerprint(frozen_bytes),
             "forward": sorted([b, f] for b, f in bp.forward_links.items()),
             "targets": bp.targets, "loss": bp.loss,
             "gradients": [[b, f] for b, f in bp.gradients]}
