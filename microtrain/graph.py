@@ -37,14 +37,6 @@ class Graph:
     def producers(self) -> dict[int, Op]:
         return {t: op for op in self.ops for t in op.outputs}
 
-    def consumers(self) -> dict[int, list[Op]]:
-        users: dict[int, list[Op]] = {}
-        for op in self.ops:
-            for t in op.inputs:
-                if t >= 0:
-                    users.setdefault(t, []).append(op)
-        return users
-
 
 def _ints(values) -> tuple[int, ...]:
     return () if values is None else tuple(int(v) for v in values)

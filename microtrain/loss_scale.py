@@ -291,9 +291,6 @@ class AdaptiveScale(DynamicScale):
         self.scales = {int(k): v for k, v in state["scales"].items()}
 
 
-KINDS = ("none", "dynamic", "adaptive")
-
-
 def make_loss_scale(spec: str = "none", **params) -> LossScale:
     """`none`, a number (static scale), `dynamic` or `adaptive`; `params` are the
     DynamicScale arguments (and, for adaptive, interval and threshold); None

@@ -5,7 +5,7 @@ weights, model outputs) become its inputs, linked by index to the forward graph;
 the training targets are inputs too; its outputs are the loss and one gradient
 per trainable tensor.  See schemas/backprop.md.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,7 +28,6 @@ class Backprop:
     targets: list[int]  # backprop target tensors, one per model output
     loss: int
     gradients: list[tuple[int, int]]  # (backprop tensor, trainable forward tensor)
-    activations: list[int] = field(default_factory=list)  # forward activations read
 
 
 class Builder:
@@ -178,11 +177,9 @@ def build_backprop(fwd: Graph, trainable: list[int], loss: str, reduction: str,
             if g is not None:
                 grads.setdefault(t, []).append(g)
     gradients = [(_own_gradient(b, grads, w), w) for w in trainable]
-    activations = [f for f in b.links if f not in trainable]
     graph = Graph(b.tensors, b.ops, list(b.links.values()) + targets,
                   [loss_tensor] + [g for g, _ in gradients])
-    return Backprop(graph, {v: k for k, v in b.links.items()}, targets, loss_tensor, gradients,
-                    activations)
+    return Backprop(graph, {v: k for k, v in b.links.items()}, targets, loss_tensor, gradients)
 
 
 def _own_gradient(b: Builder, grads: dict[int, list[int]], w: int) -> int:
