@@ -49,5 +49,7 @@ def select_trainable(g: Graph, spec: str, freeze_bias: bool = False) -> list[int
         chosen = [t for op in ops[-n:] for t in _weights_of(op, freeze_bias)]
     else:
         chosen = _named(g, ops, [s.strip() for s in spec.split(",") if s.strip()], freeze_bias)
-    order = {t: i for i, t in enumerate(t for op in g.ops for t in op.inputs)}
-    return sorted(set(chosen), key=order.__getitem__)
+    first_use: dict[int, int] = {}
+    for t in (t for op in g.ops for t in op.inputs):
+        first_use.setdefault(t, len(first_use))
+    return sorted(set(chosen), key=first_use.__getitem__)
