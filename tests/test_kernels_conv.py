@@ -124,7 +124,7 @@ def forward_cases(seed):
 
 
 @pytest.mark.parametrize("depthwise", [False, True], ids=["conv", "depthwise"])
-@pytest.mark.parametrize("index, case", enumerate(forward_cases(1)), ids=str)
+@pytest.mark.parametrize("index, case", list(enumerate(forward_cases(1))), ids=str)
 def test_conv_forward_matches_torch(index, case, depthwise):
     rng = np.random.default_rng(index)
     xs, ws, bs, ys = conv_shapes(case, depthwise)
@@ -148,7 +148,7 @@ def pool_cases():
 
 
 @pytest.mark.parametrize("kind", ["MAX", "AVERAGE"])
-@pytest.mark.parametrize("index, case", enumerate(pool_cases()), ids=str)
+@pytest.mark.parametrize("index, case", list(enumerate(pool_cases())), ids=str)
 def test_pool_forward_matches_torch(index, case, kind):
     x = np.random.default_rng(index).standard_normal((case.n, case.h, case.w, case.c)) * 3
     for act in ACTIVATIONS:
@@ -179,7 +179,7 @@ GRAD_CASES = [Case(2, 5, 4, 2, 3, 3, mult=2),
 
 
 @pytest.mark.parametrize("depthwise", [False, True], ids=["conv", "depthwise"])
-@pytest.mark.parametrize("index, case", enumerate(GRAD_CASES), ids=str)
+@pytest.mark.parametrize("index, case", list(enumerate(GRAD_CASES)), ids=str)
 def test_conv_gradients(index, case, depthwise):
     rng = np.random.default_rng(index)
     xs, ws, _, ys = conv_shapes(case, depthwise)
@@ -196,7 +196,7 @@ def test_conv_gradients(index, case, depthwise):
 
 
 @pytest.mark.parametrize("kind", ["MAX", "AVERAGE"])
-@pytest.mark.parametrize("index, case", enumerate(pool_cases()), ids=str)
+@pytest.mark.parametrize("index, case", list(enumerate(pool_cases())), ids=str)
 def test_pool_gradients(index, case, kind):
     rng = np.random.default_rng(index)
     x = rng.standard_normal((case.n, case.h, case.w, case.c))
