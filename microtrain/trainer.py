@@ -1,4 +1,5 @@
 """The Python API of the device runtime: a Trainer over the three split files."""
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -142,7 +143,7 @@ class Trainer:
         plan.run_forward()
         plan.run_backward()
         loss = float(plan.loss[0])
-        if not np.isfinite(loss):
+        if not math.isfinite(loss):
             raise Diverged(loss)
         return loss
 
