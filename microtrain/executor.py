@@ -3,7 +3,9 @@ every operator becomes a closure over those arrays, so a step is a flat list of
 kernel calls.
 
 All arrays are allocated for the largest batch.  A smaller (partial last) batch
-runs a second list of closures over the leading rows of the same arrays.
+runs a second list of closures over the leading rows of the same arrays.  The
+kernels of both lists take their temporaries from one workspace
+(kernels/workspace.py).
 """
 from dataclasses import dataclass
 
@@ -14,6 +16,7 @@ from .artifacts import Artifacts
 from .errors import UserError
 from .graph import BATCH, Graph, concrete_shape
 from .kernels import KERNELS, build
+from .kernels.workspace import Workspace, sharing
 from .loss_scale import LossScale
 from .precision import HALF, TYPES, Underflow, rounder
 
@@ -43,7 +46,8 @@ class Memory:
     before or after that buffer, so that the graphs still read one contiguous
     tensor.  With fp16 weights the graphs read a rounded working copy, refreshed
     after every update.  Tensors placed by the memory plan are views into one
-    arena (microtrain/arena.py); the others get arrays of their own."""
+    arena (microtrain/arena.py); the others get arrays of their own.  The
+    kernels' temporaries live in `workspace` (None: each kernel keeps its own)."""
 
     def __init__(self, art: Artifacts, batch: int):
         self.half_weights = TYPES[precision(art)["weights"]] == HALF
@@ -58,6 +62,7 @@ class Memory:
             aliases.update({b: self.forward[f] for b, f in art.links["forward"]})
             aliases.update({g: self.grad_views[t] for g, t in art.links["gradients"]})
             self.backprop = self._allocate(art.backprop, batch, aliases)
+        self.workspace: Workspace | None = Workspace()
 
     def _lay_out_weights(self, art: Artifacts) -> dict:
         """Fill the flat buffers and views; returns the views the graphs read."""
@@ -203,6 +208,17 @@ class Hooks:
 
 
 def compile_plan(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
+    """The step for the first `rows` rows.  The first plan of a memory finds its
+    workspace too small: the kernels then measure what they need, the workspace
+    grows to it, and the plan is built again over the grown workspace."""
+    with sharing(mem.workspace):
+        plan = _compile(art, mem, rows, hooks)
+        if mem.workspace is not None and mem.workspace.grow():
+            plan = _compile(art, mem, rows, hooks)
+    return plan
+
+
+def _compile(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
     fwd = _views(art.forward, mem.forward, rows)
     inputs = [fwd[i] for i in art.forward.inputs]
     round_inputs = [rounder(fwd[i]) for i in art.forward.inputs

@@ -7,6 +7,8 @@ arithmetic is far slower than this round-on-store.
 """
 import numpy as np
 
+from .kernels.workspace import begin_kernel, scratch
+
 HALF = np.dtype(np.float16)
 TYPES = {"fp32": np.dtype(np.float32), "fp16": HALF}
 
@@ -63,11 +65,12 @@ SMALL = 4096  # below this many elements the two casts beat the dozen arithmetic
 def rounder(a: np.ndarray, underflow: Underflow | None = None, tensor: int = -1):
     """A closure rounding `a` in place to float16 values; with `underflow`, it
     also counts the elements that became zero, under `tensor`."""
+    begin_kernel()
     return (_cast_rounder if a.size < SMALL else _arithmetic_rounder)(a, underflow, tensor)
 
 
 def _cast_rounder(a: np.ndarray, underflow: Underflow | None, tensor: int):
-    half = np.empty(a.shape, HALF)
+    half = scratch(a.shape, HALF)
 
     def step():
         before = np.count_nonzero(a) if underflow is not None else 0
@@ -80,9 +83,9 @@ def _cast_rounder(a: np.ndarray, underflow: Underflow | None, tensor: int):
 
 
 def _arithmetic_rounder(a: np.ndarray, underflow: Underflow | None, tensor: int):
-    mag, split, grid = np.empty_like(a), np.empty_like(a), np.empty_like(a)
-    normal, subnormal = np.empty_like(a), np.empty_like(a)  # 1.0/0.0 masks
-    flags = np.empty(a.shape, bool)
+    mag, split, grid = (scratch(a.shape, a.dtype) for _ in range(3))
+    normal, subnormal = scratch(a.shape, a.dtype), scratch(a.shape, a.dtype)  # 1.0/0.0 masks
+    flags = scratch(a.shape, bool)
     cast = _cast_rounder(a, None, tensor)
 
     def count_lost() -> None:

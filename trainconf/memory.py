@@ -209,15 +209,17 @@ def scratch_points(batch: int) -> tuple[int, int]:
 
 
 def measure_scratch(art: Artifacts, batch: int) -> list[int]:
-    """Bytes the kernels (and the fp16 rounding) keep in their closures, as
-    [a, c] in the batch size: kernels own their scratch, so the planner prepares
-    microtrain's own step and counts what the closures hold beyond the graphs'
-    arrays.  Exact at batch 1 and `batch`; between or beyond them a line (the
-    fp16 rounding takes more scratch per element from 4096 elements on)."""
+    """Bytes of the kernels' (and the fp16 rounding's) scratch, as [a, c] in the
+    batch size: the workspace their temporaries share and what their closures
+    keep of their own (index arrays, constants).  The kernels decide both, so
+    the planner prepares microtrain's own step and counts them.  Exact at batch
+    1 and `batch`; between or beyond them a line (the workspace is the largest
+    of the kernels' needs, and the fp16 rounding takes more scratch per element
+    from 4096 elements on)."""
     def at(n: int) -> int:
         mem = Memory(art, n)
         plan = compile_plan(art, mem, n, Hooks(art, LossScale(), Underflow()))
-        return held_bytes(plan, exclude=(mem, art))
+        return held_bytes(plan, exclude=(mem, art)) + held_bytes(mem.workspace)
     return _fit(at, scratch_points(batch))
 
 

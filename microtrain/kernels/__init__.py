@@ -7,10 +7,14 @@ in place.  The executor calls only those closures in the training step.
 
 Keys are circle builtin operator names ("FULLY_CONNECTED") or the custom_code
 of a gradient operator ("Conv2DInputGrad"); see schemas/backprop.md.
+Temporaries that need not survive between calls come from `scratch`
+(workspace.py), so that the kernels of a step can share them.
 """
 from typing import Callable
 
 import numpy as np
+
+from .workspace import begin_kernel
 
 Step = Callable[[], None]
 Factory = Callable[..., Step]
@@ -31,6 +35,7 @@ def kernel(name: str) -> Callable[[Factory], Factory]:
 def build(name: str, inputs: list[np.ndarray | None], outputs: list[np.ndarray],
           **options) -> Step:
     """Prepare the kernel `name` over fixed buffers; returns the step closure."""
+    begin_kernel()
     return KERNELS[name](inputs, outputs, **options)
 
 

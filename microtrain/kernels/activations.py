@@ -9,6 +9,7 @@ from functools import cache, partial
 import numpy as np
 
 from . import kernel
+from .workspace import scratch
 
 # Fused activation code -> (lower, upper) clip bounds; 4 (TANH) is no clip.
 # Circle's ActivationFunctionType: 0 NONE, 1 RELU, 2 RELU_N1_TO_1, 3 RELU6, 4 TANH.
@@ -135,7 +136,7 @@ def row_exp(x2, beta, shifted, e, sums):
     """A closure writing, per row of the 2-D x2: shifted = beta*x2 - max(beta*x2),
     e = exp(shifted), sums = sum(e) (shape [rows, 1]).  Subtracting the row
     maximum keeps exp from overflowing; shifted may be e."""
-    rowmax = np.empty_like(sums)
+    rowmax = scratch(sums.shape, sums.dtype)
     src = x2 if beta == 1 else shifted
     total = row_sums(e, sums)
 
@@ -159,7 +160,7 @@ def softmax(inputs, outputs, beta=1.0, **_):
     """y = exp(beta*x) / sum(exp(beta*x)) over the last axis."""
     (x,), (y,) = inputs, outputs
     y2 = rows(y)
-    sums = np.empty((y2.shape[0], 1), y.dtype)
+    sums = scratch((y2.shape[0], 1), y.dtype)
     exps = row_exp(rows(x), beta, y2, y2, sums)
 
     def step():
@@ -170,7 +171,7 @@ def softmax(inputs, outputs, beta=1.0, **_):
 
 def _clip_grad(dy, y, dx, lo, hi):
     """dx = dy where lo < y < hi else 0."""
-    inside, below = np.empty(y.shape, bool), np.empty(y.shape, bool)
+    inside, below = scratch(y.shape, bool), scratch(y.shape, bool)
     low, high = full(y, lo), full(y, hi)
 
     def step():
@@ -184,7 +185,7 @@ def _clip_grad(dy, y, dx, lo, hi):
 def _relu_grad(dy, y, dx):
     """dx = dy * (y > 0), computed as dy * sign(y): y is a ReLU's output, so
     y >= 0 and sign(y) is that mask (~2x faster than a product with bools)."""
-    sign = np.empty_like(y)
+    sign = scratch(y.shape, y.dtype)
 
     def step():
         np.sign(y, out=sign)
@@ -206,7 +207,7 @@ def _logistic_slope(y, t, one):
 
 def _slope_grad(dy, y, dx, slope):
     """dx = dy * slope(y)."""
-    one, t = full(y, 1), np.empty_like(y)
+    one, t = full(y, 1), scratch(y.shape, y.dtype)
 
     def step():
         slope(y, t, one)
@@ -216,7 +217,7 @@ def _slope_grad(dy, y, dx, slope):
 
 def _leaky_relu_grad(dy, y, dx, alpha):
     """dx = dy where y > 0 else alpha*dy (y > 0 exactly where x > 0, as alpha >= 0)."""
-    positive, zero = np.empty(y.shape, bool), full(y, 0)
+    positive, zero = scratch(y.shape, bool), full(y, 0)
 
     def step():
         np.greater(y, zero, out=positive)
@@ -250,7 +251,7 @@ def softmax_grad(inputs, outputs, beta=1.0, **_):
     """dX = beta * Y * (dY - sum(dY*Y, last axis))."""
     (dy, y), (dx,) = inputs, outputs
     dy2, y2, dx2 = rows(dy), rows(y), rows(dx)
-    dots = np.empty((y2.shape[0], 1), y.dtype)
+    dots = scratch((y2.shape[0], 1), y.dtype)
     total = row_sums(dx2, dots)
 
     def step():

@@ -12,6 +12,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from . import kernel
 from .activations import noop, then_activate
+from .workspace import scratch
 
 SAME, VALID = 0, 1
 
@@ -36,59 +37,96 @@ def _per_tap(a, axis=3):
     return [a[lead + (i, j)] for i in range(kh) for j in range(kw)]
 
 
+def _padded(image, pads, fill):
+    """A scratch buffer for `image` with pads (top, bottom, left, right) around
+    each image, its interior view, and a step setting its border to `fill`.
+
+    Other kernels overwrite scratch between calls, so the border is set on
+    every call.  In memory order the border is the equal gaps between each
+    image's rows, and the gap from one image's last row to the next one's
+    first row; with one gap of slack around the buffer (before image 0, after
+    image N-1) each kind is one strided view, and two fills set them all."""
+    n, h, w, c = image.shape
+    top, bottom, left, right = pads
+    width = left + w + right
+    size = (top + h + bottom) * width * c  # elements of one padded image
+    gap = ((top + bottom) * width + left + right) * c
+    flat = scratch((n * size + gap,), image.dtype)
+    before = (bottom * width + right) * c  # the slack before image 0
+    buffer = flat[before:before + n * size].reshape(n, top + h + bottom, width, c)
+    item = flat.itemsize
+    between_images = as_strided(flat, (n + 1, gap), (size * item, item))
+    first_gap = before + (top * width + left + w) * c
+    between_rows = as_strided(flat[first_gap:], (n, h - 1, (left + right) * c),
+                              (size * item, width * c * item, item))
+
+    def fill_border():
+        between_images.fill(fill)
+        between_rows.fill(fill)
+    return buffer, buffer[:, top:top + h, left:left + w], fill_border
+
+
 class _Windows:
     """Kernel windows of an NHWC `image` as a view [N, OH, OW, KH, KW, C].
 
-    The view lies over a padded buffer (borders hold `fill`), or over the image
-    itself when no padding is needed.  `cols` is the windows as a contiguous
-    [N*OH*OW, KH*KW*C] matrix; for 1x1 kernels with stride 1 it is the image.
+    The view lies over a padded copy in scratch memory, or over the image
+    itself when no padding is needed.
     """
 
     def __init__(self, image, out_hw, k_hw, padding=SAME, stride_h=1, stride_w=1,
                  dilation_h_factor=1, dilation_w_factor=1, fill=0.0, **_):
         n, h, w, c = image.shape
         (oh, ow), (kh, kw) = out_hw, k_hw
-        top, bottom = _pads(h, oh, kh, stride_h, dilation_h_factor, padding)
-        left, right = _pads(w, ow, kw, stride_w, dilation_w_factor, padding)
+        pads = (*_pads(h, oh, kh, stride_h, dilation_h_factor, padding),
+                *_pads(w, ow, kw, stride_w, dilation_w_factor, padding))
         self.image = image
-        if top or bottom or left or right:
-            self.buffer = np.full((n, top + h + bottom, left + w + right, c), fill, image.dtype)
-            self.inner = self.buffer[:, top:top + h, left:left + w]
+        if any(pads):
+            self.buffer, self.inner, self.fill_border = _padded(image, pads, fill)
         else:
             self.buffer = self.inner = image
 
         def windows(a):
             sn, sh, sw, sc = a.strides
-            return as_strided(a, (n, oh, ow, kh, kw, c),
+            return as_strided(a, (a.shape[0], oh, ow, kh, kw, c),
                               (sn, sh * stride_h, sw * stride_w,
                                sh * dilation_h_factor, sw * dilation_w_factor, sc))
+        self.windows = windows
         self.view = windows(self.buffer)
         self.taps = _per_tap(self.view)
         self.direct = (kh, kw, stride_h, stride_w) == (1, 1, 1, 1)
-        self.cols6 = (image.reshape(self.view.shape) if self.direct
-                      else np.empty(self.view.shape, image.dtype))
-        self.cols = self.cols6.reshape(n * oh * ow, kh * kw * c)
-        # A strided copy pays a fixed cost per contiguous run of the windows;
-        # when runs are short (few channels) a flat index gather is faster.
-        run = c * (kw if dilation_w_factor == 1 else 1)
-        self.index = None
-        if run < 12 and not self.direct:
-            self.index = windows(np.arange(self.buffer.size).reshape(self.buffer.shape)).ravel()
+        self.run = c * (kw if dilation_w_factor == 1 else 1)  # contiguous elements per window row
 
     def load(self):
         """Copy the image into the padded buffer (no-op without padding)."""
         if self.buffer is not self.image:
+            self.fill_border()
             np.copyto(self.inner, self.image)
 
-    def gather(self):
-        """Fill `cols` with the windows of the image's current contents."""
+    def columns(self):
+        """(cols, gather): the windows as a contiguous [N*OH*OW, KH*KW*C]
+        matrix in scratch memory and a step filling it from the image's current
+        contents; for 1x1 kernels with stride 1, the image itself and no step."""
+        n, oh, ow, kh, kw, c = self.view.shape
         if self.direct:
-            return
-        self.load()
-        if self.index is None:
-            np.copyto(self.cols6, self.view)
-        else:  # indices are in range: "wrap" only skips raise mode's checks and buffering
-            np.take(self.buffer.reshape(-1), self.index, out=self.cols.reshape(-1), mode="wrap")
+            return self.image.reshape(n * oh * ow, c), noop
+        cols6 = scratch(self.view.shape, self.image.dtype)
+        cols = cols6.reshape(n * oh * ow, kh * kw * c)
+        # A strided copy pays a fixed cost per contiguous run of the windows;
+        # when runs are short (few channels) an index gather is faster.  The
+        # index of one image's windows serves every image (axis 1 below).
+        if self.run >= 12:
+            def gather():
+                self.load()
+                np.copyto(cols6, self.view)
+            return cols, gather
+        one = np.arange(self.buffer[0].size).reshape(1, *self.buffer.shape[1:])
+        index = self.windows(one).ravel()
+        per_image, images = self.buffer.reshape(n, -1), cols.reshape(n, -1)
+
+        def gather_by_index():  # indices are in range: "wrap" only skips raise mode's checks
+            self.load()
+            np.take(per_image, index, axis=1, out=images, mode="wrap")
+        return cols, gather_by_index
 
     def scatter(self, tap_grad):
         """A step setting the image to the sum over taps k of tap_grad(k), an
@@ -105,11 +143,11 @@ class _Windows:
 
 
 def _repeated(src, shape):
-    """A buffer of `shape` holding `src` broadcast, and a step refreshing it.
-    Repeating a per-channel vector along the image width lets numpy's
-    elementwise loops run over whole rows instead of C-element pieces
-    (2x faster at C=16)."""
-    rows = np.empty(shape, src.dtype)
+    """A scratch buffer of `shape` holding `src` broadcast once the step
+    refreshing it ran.  Repeating a per-channel vector along the image width
+    lets numpy's elementwise loops run over whole rows instead of C-element
+    pieces (2x faster at C=16)."""
+    rows = scratch(shape, src.dtype)
     return rows, lambda: np.copyto(rows, src)
 
 
@@ -131,14 +169,14 @@ def conv_2d(inputs, outputs, fused_activation_function=0, **opts):
     computed as y = cols(x) @ W.reshape(O, -1).T."""
     x, w, b = (*inputs, None)[:3]  # the bias may be None or left off
     (y,) = outputs
-    win = _Windows(x, y.shape[1:3], w.shape[1:3], **opts)
+    cols, gather = _Windows(x, y.shape[1:3], w.shape[1:3], **opts).columns()
     w2t = w.reshape(w.shape[0], -1).T
     y2 = y.reshape(-1, w.shape[0])
     add_bias = _bias_adder(y, b)
 
     def step():
-        win.gather()
-        np.matmul(win.cols, w2t, out=y2)
+        gather()
+        np.matmul(cols, w2t, out=y2)
         add_bias()
     return then_activate(step, fused_activation_function, y)
 
@@ -152,12 +190,12 @@ def conv_2d_input_grad(inputs, outputs, **opts):
     win = _Windows(dx, dy.shape[1:3], w.shape[1:3], **opts)
     dy2 = dy.reshape(-1, w.shape[0])
     if win.direct:  # 1x1, stride 1: dX = dY @ W
-        w2 = w.reshape(w.shape[0], -1)
-        return lambda: np.matmul(dy2, w2, out=win.cols)
+        w2, dx2 = w.reshape(w.shape[0], -1), dx.reshape(-1, dx.shape[3])
+        return lambda: np.matmul(dy2, w2, out=dx2)
     # Per-tap products land in one contiguous buffer, so the scatter's adds
     # run over whole rows when the stride is 1.
     w_taps = _per_tap(w, axis=1)
-    grad = np.empty((dy2.shape[0], dx.shape[3]), dx.dtype)
+    grad = scratch((dy2.shape[0], dx.shape[3]), dx.dtype)
     grad4 = grad.reshape(*dy.shape[:3], dx.shape[3])
 
     def tap_grad(k):
@@ -171,13 +209,13 @@ def conv_2d_weight_grad(inputs, outputs, **opts):
     """dW.reshape(O, -1) = dY.reshape(-1, O).T @ cols(X)."""
     dy, x = inputs
     (dw,) = outputs
-    win = _Windows(x, dy.shape[1:3], dw.shape[1:3], **opts)
+    cols, gather = _Windows(x, dy.shape[1:3], dw.shape[1:3], **opts).columns()
     dy2t = dy.reshape(-1, dw.shape[0]).T
     dw2 = dw.reshape(dw.shape[0], -1)
 
     def step():
-        win.gather()
-        np.matmul(dy2t, win.cols, out=dw2)
+        gather()
+        np.matmul(dy2t, cols, out=dw2)
     return step
 
 
@@ -199,7 +237,7 @@ def depthwise_conv_2d(inputs, outputs, fused_activation_function=0, **opts):
     (y,) = outputs
     win, rows, refresh, y5 = _depthwise(x, y, w, opts)
     pixels = [tap[..., None] for tap in win.taps]
-    prod = np.empty_like(y5)
+    prod = scratch(y5.shape, y.dtype)
     add_bias = _bias_adder(y, b)
 
     def step():
@@ -219,9 +257,9 @@ def depthwise_conv_2d_input_grad(inputs, outputs, **opts):
     dy, w = inputs
     (dx,) = outputs
     win, rows, refresh, dy5 = _depthwise(dx, dy, w, opts)
-    prod = np.empty_like(dy5)
+    prod = scratch(dy5.shape, dy.dtype)
     per_m = [prod[..., m] for m in range(rows.shape[3])]
-    summed = per_m[0] if len(per_m) == 1 else np.empty(dy5.shape[:4], dx.dtype)
+    summed = per_m[0] if len(per_m) == 1 else scratch(dy5.shape[:4], dx.dtype)
 
     def tap_grad(k):
         np.multiply(dy5, rows[k], out=prod)
@@ -244,11 +282,11 @@ def depthwise_conv_2d_weight_grad(inputs, outputs, **opts):
     win = _Windows(x, dy.shape[1:3], dw.shape[1:3], **opts)
     pixels = [tap[..., None] for tap in win.taps]
     dy5 = dy.reshape(*dy.shape[:3], x.shape[3], -1)
-    prod = np.empty_like(dy5)
+    prod = scratch(dy5.shape, dy.dtype)
     # Summing over pixels in two stages, image rows first, keeps numpy's inner
     # loops long: one sum over [N*OH*OW, C*M] runs C-long pieces (4x slower at C=16).
     prod_rows = prod.reshape(-1, dy.shape[2] * dw.shape[3])
-    row_sum = np.empty(prod_rows.shape[1], dw.dtype)
+    row_sum = scratch(prod_rows.shape[1:], dw.dtype)
     row_sum2 = row_sum.reshape(dy.shape[2], dw.shape[3])
     dw2 = dw.reshape(len(pixels), dw.shape[3])
 
@@ -319,9 +357,8 @@ def max_pool_2d_grad(inputs, outputs, **opts):
     dy, x = inputs
     (dx,) = outputs
     xwin = _pool_windows(x, dy, fill=-np.inf, **opts)
-    peak = np.empty_like(dy)
-    hit, taken = np.empty(dy.shape, bool), np.empty(dy.shape, bool)
-    grad = np.empty_like(dy)
+    peak, grad = scratch(dy.shape, dy.dtype), scratch(dy.shape, dy.dtype)
+    hit, taken = scratch(dy.shape, bool), scratch(dy.shape, bool)
 
     def tap_grad(k):
         np.equal(xwin.taps[k], peak, out=hit)
@@ -344,7 +381,7 @@ def average_pool_2d_grad(inputs, outputs, **opts):
     (dy,) = inputs
     (dx,) = outputs
     inverse = _inverse_counts(dx, dy, **opts)
-    share = np.empty_like(dy)
+    share = scratch(dy.shape, dy.dtype)
     scatter = _pool_windows(dx, dy, **opts).scatter(lambda k: share)
 
     def step():

@@ -1,0 +1,92 @@
+"""Scratch memory shared by the kernels of a training step.
+
+A kernel's temporaries (gathered windows, padded copies, products, masks,
+rounding buffers) hold nothing from one call of its closure to the next, and
+the closures of a step run one at a time.  So every kernel lays its
+temporaries out from the start of one shared buffer: one kernel's never
+overlap each other, different kernels' do, and the step's scratch costs the
+largest kernel's need instead of the sum over all kernels.
+
+Factories ask for temporaries with `scratch`; what must persist between calls
+(index arrays, constants) stays in arrays of their own.  Without a workspace in
+use (`sharing`), `scratch` gives arrays of their own too.
+"""
+from contextlib import contextmanager
+from contextvars import ContextVar
+from math import prod
+
+import numpy as np
+
+ALIGN = 64  # each temporary starts on a cache line
+
+
+def _aligned_bytes(size: int) -> np.ndarray:
+    raw = np.empty(size + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + size]
+
+
+class Workspace:
+    """One byte buffer from which each kernel's temporaries are laid out.
+
+    A kernel asking for more than the buffer holds gets arrays of its own and
+    raises `need`; `grow` then enlarges the buffer, and closures built over it
+    again share it."""
+
+    def __init__(self, size: int = 0):
+        self.buffer = _aligned_bytes(size)
+        self.need = 0  # the most bytes one kernel asked for
+        self._offset = 0
+
+    def begin(self) -> None:
+        """Lay out the next kernel's temporaries from the buffer's start."""
+        self._offset = 0
+
+    def take(self, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        start = self._offset
+        end = start + prod(shape) * dtype.itemsize
+        self._offset = -(-end // ALIGN) * ALIGN
+        self.need = max(self.need, end)
+        if end > self.buffer.size:
+            return np.empty(shape, dtype)
+        return self.buffer[start:end].view(dtype).reshape(shape)
+
+    def grow(self) -> bool:
+        """Enlarge the buffer to the largest need seen; whether it had to (then
+        the closures built since the last growth hold arrays of their own)."""
+        if self.need <= self.buffer.size:
+            return False
+        self.buffer = _aligned_bytes(self.need)
+        return True
+
+
+_IN_USE: ContextVar[Workspace | None] = ContextVar("workspace", default=None)
+
+
+@contextmanager
+def sharing(workspace: Workspace | None):
+    """Kernels built inside take their temporaries from `workspace` (None:
+    arrays of their own)."""
+    token = _IN_USE.set(workspace)
+    try:
+        yield workspace
+    finally:
+        _IN_USE.reset(token)
+
+
+def begin_kernel() -> None:
+    """Called before building each closure (kernels/__init__.build, the fp16
+    rounding): its temporaries may overlap those of the closures built before.
+    A factory must therefore not build another closure while it takes scratch."""
+    workspace = _IN_USE.get()
+    if workspace is not None:
+        workspace.begin()
+
+
+def scratch(shape, dtype) -> np.ndarray:
+    """An uninitialised array for temporaries whose contents need not survive
+    from one call of the closure to the next (nor from the factory to the
+    first call): other kernels overwrite it in between."""
+    workspace = _IN_USE.get()
+    return np.empty(shape, dtype) if workspace is None else workspace.take(tuple(shape), dtype)
