@@ -187,3 +187,36 @@ def test_training_with_shared_scratch_is_bit_identical(tmp_path, monkeypatch, mo
     for losses, weights in runs[1:]:
         assert losses == runs[0][0]
         np.testing.assert_array_equal(weights, runs[0][1])
+
+
+# -- constants ------------------------------------------------------------------------------------
+
+LARGE_CASES = [("RELU", {}), ("RELU6", {}), ("RELU_N1_TO_1", {}), ("LOGISTIC", {}),
+               ("LEAKY_RELU", {"alpha": 0.2})] + \
+              [("ActivationGrad", {"activation": a, "alpha": 0.2})
+               for a in ("relu", "relu6", "relu_n1_to_1", "tanh", "logistic", "leaky_relu")]
+
+
+@pytest.mark.parametrize("name,options", LARGE_CASES, ids=[str(c) for c in LARGE_CASES])
+def test_large_activations_keep_no_constant_arrays_and_match_small_ones(name, options):
+    """From 2^17 elements on, every activation uses scalar constants (np.clip
+    for the clips); results equal those of the small-array path, chunk by
+    chunk, kinks, signed zeros, infinities and NaN included."""
+    rng = np.random.default_rng(1)
+    size, chunk = 1 << 17, 1 << 10
+    special = np.array([0.0, -0.0, 6.0, -1.0, 1.0, np.inf, -np.inf, np.nan], np.float32)
+    x = rng.standard_normal(size).astype(np.float32) * 4
+    x[:special.size] = special
+    # a gradient op reads dY and the activation's output Y (for relu, Y >= 0)
+    inputs = [x] if name != "ActivationGrad" else \
+        [x[::-1].copy(), np.abs(x) if options["activation"] == "relu" else x]
+    out, ws = np.empty(size, np.float32), Workspace(1 << 20)
+    with sharing(ws):
+        step = build(name, inputs, [out], **options)
+    assert held_bytes(step, exclude=(inputs, out, ws)) < chunk
+    with np.errstate(invalid="ignore"):
+        step()
+        for lo in range(0, size, chunk):
+            small = np.empty(chunk, np.float32)
+            build(name, [a[lo:lo + chunk].copy() for a in inputs], [small], **options)()
+            np.testing.assert_array_equal(out[lo:lo + chunk], small)
