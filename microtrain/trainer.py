@@ -1,4 +1,5 @@
 """The Python API of the device runtime: a Trainer over the three split files."""
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,17 @@ from .metrics import HIGHER_IS_BETTER, METRICS, default_metric
 from .optimizers import make_optimizer
 from .schedules import make_schedule
 from .shuffle import Shuffler
+
+
+def quiet(method):
+    """Run `method` with numpy's overflow/invalid/divide warnings off: overflow is
+    part of the numerics here (fp16 rounds to inf, runs diverge) and is checked
+    for explicitly where it matters."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return method(*args, **kwargs)
+    return run
 
 
 class Diverged(Exception):
@@ -210,6 +222,7 @@ class Trainer:
         return {"grad_underflow": counts["weights"], "grad_underflow_all": counts["all"],
                 "grad_underflow_by_tensor": {names[t].name: v for t, v in counts["by_tensor"].items()}}
 
+    @quiet
     def fit(self, inputs, targets, epochs: int = 5, shuffle: bool = True, seed: int | None = None,
             test: tuple | None = None, on_epoch: Callable[[dict], None] | None = None,
             rng: Shuffler | None = None, progress=None) -> list[dict]:
@@ -226,9 +239,7 @@ class Trainer:
         while self.epoch < epochs:
             snapshot = self.memory.params.copy()
             try:
-                # overflow is caught by the finite-loss check, not reported per kernel
-                with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                    record = self._epoch_with_progress(xs, ts, shuffle, rng, progress)
+                record = self._epoch_with_progress(xs, ts, shuffle, rng, progress)
             except Diverged as e:
                 if not np.all(np.isfinite(self.memory.params)):
                     self.memory.params[...] = snapshot
@@ -249,6 +260,7 @@ class Trainer:
         with progress(len(xs[0]), f"epoch {self.epoch + 1}") as bar:
             return self.train_epoch(xs, ts, shuffle, rng, bar.update)
 
+    @quiet
     def gradients(self, inputs, targets) -> tuple[float, dict[int, np.ndarray]]:
         """Loss and gradients of every trainable tensor on one batch, without an update."""
         xs, ts = self.check_data(inputs, targets)
@@ -265,6 +277,7 @@ class Trainer:
         for start in range(0, n, self.batch_size):
             yield np.arange(start, min(start + self.batch_size, n))
 
+    @quiet
     def evaluate(self, inputs, targets, checked: bool = False) -> dict:
         """Loss and metric over a whole data set, in batches of the training batch size."""
         xs, ts = (inputs, targets) if checked else self.check_data(inputs, targets)
@@ -280,6 +293,7 @@ class Trainer:
         return {"loss": totals.mean_loss(), self.metric: totals.metric_value(),
                 "samples": totals.samples}
 
+    @quiet
     def predict(self, inputs) -> list[np.ndarray]:
         xs, _ = self.check_data(inputs)
         n = len(xs[0])

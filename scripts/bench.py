@@ -359,6 +359,54 @@ def markdown(report: dict) -> str:
     return "\n".join(lines + _notes(report["rows"])) + "\n"
 
 
+def _median_ms(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - start))
+    return float(np.median(times))
+
+
+def tool_times(folder: Path) -> dict:
+    """Host-side times on MobileNetV2 (1.6 MB, 65 ops): load + save, and split."""
+    from microtrain.format.model import load_model, save_model
+    from trainconf.split import split
+    model = FIXTURES / "mobilenetv2.tflite"
+    return {"load_save_ms": _median_ms(lambda: save_model(load_model(model), folder / "m.circle")),
+            "split_ms": _median_ms(lambda: split(model, folder / "split"))}
+
+
+def precision_ratio(ws: Workspace, name: str, epochs: int) -> dict:
+    """microtrain's compute ms/step with fp32 and with fp16 (dynamic loss scale), Adam."""
+    from microtrain.loss_scale import make_loss_scale
+    from microtrain.trainer import Trainer
+    from trainconf.split import split
+    x, y, _ = ws.data(name)
+    xs, ts = np.load(x), np.load(y)
+    row = {"model": name}
+    for precision in ("fp32", "fp16"):
+        frozen = split(FIXTURES / f"{name}.tflite", ws.folder / f"{name}-{precision}",
+                       precision=precision).frozen
+        trainer = Trainer(frozen, batch_size=BATCH, optimizer="adam",
+                          loss_scale=make_loss_scale("dynamic" if precision == "fp16" else "none"))
+        history = trainer.fit([xs], [ts], epochs=epochs + 1, shuffle=False)[1:]
+        row[precision] = float(np.median([r["ms_per_step"] for r in history]))
+    row["ratio"] = row["fp16"] / row["fp32"]
+    return row
+
+
+def extra_markdown(report: dict) -> str:
+    tools = report["tools"]
+    lines = ["", f"Host side, MobileNetV2 (1.6 MB, 65 ops): load + save {tools['load_save_ms']:.0f} ms, "
+                 f"`trainconf split` {tools['split_ms']:.0f} ms (medians of 5).", "",
+             "| model | microtrain fp32 compute ms/step | fp16 (dynamic loss scale) | fp16 / fp32 |",
+             "|---|---|---|---|"]
+    lines += [f"| {r['model']} | {_ms(r['fp32'])} | {_ms(r['fp16'])} | **{r['ratio']:.2f}** |"
+              for r in report["precision"]]
+    return "\n".join(lines) + "\n"
+
+
 def _write(path: Path | None, text: str) -> None:
     if path is not None:
         from microtrain.atomic import atomic_write
@@ -414,9 +462,11 @@ def main(models, rounds, epochs, quick, markdown_path, json_path, profile):
                 if profile and row.get("ratio", 0) > 1:
                     row["profile"] = profile_epoch(ws, row)
                 report["rows"].append(row)
+        report["tools"] = tool_times(Path(tmp))
+        report["precision"] = [precision_ratio(ws, name, epochs) for name in models]
     report["elapsed_s"] = time.perf_counter() - start
     report["load_average"]["end"] = os.getloadavg()[0]  # other work on the machine skews times
-    text = markdown(report)
+    text = markdown(report) + extra_markdown(report)
     click.echo(text)
     for row in report["rows"]:
         if "profile" in row:
