@@ -35,14 +35,23 @@ def import_command(model: Path, output: Path | None):
     click.echo(f"wrote {output}")
 
 
+JSON_OPTION = click.option("--json", "as_json", is_flag=True,
+                           help="Print one JSON document instead of text  [default: text]")
+
+
+def estimate_options(fn):
+    """--optimizer and --batch-size: what a planned peak memory is estimated for."""
+    fn = click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True,
+                      help="Batch size of the memory estimate.")(fn)
+    return click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adam",
+                        show_default=True,
+                        help="Optimizer of the memory estimate (its state per weight).")(fn)
+
+
 @main.command("inspect")
 @click.argument("model", type=MODEL)
-@click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adam",
-              show_default=True, help="Optimizer of the memory estimate of a split model.")
-@click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True,
-              help="Batch size of the memory estimate of a split model.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON document instead of text  [default: text]")
+@estimate_options
+@JSON_OPTION
 def inspect_command(model: Path, as_json: bool, optimizer: str, batch_size: int):
     """Show MODEL (.circle or .tflite): subgraphs, inputs and outputs (with a
     dynamic or fixed batch), every operator, constant tensors and totals; for a
@@ -87,12 +96,8 @@ def inspect_command(model: Path, as_json: bool, optimizer: str, batch_size: int)
               help="Choose what trains so that the planned peak memory fits SIZE (bytes, or "
                    "e.g. 64KiB, 1.5MB): the weighted ops nearest the output first, the lowest "
                    "one possibly only its bias or some output channels. Replaces --trainable.")
-@click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adam",
-              show_default=True, help="Optimizer of the memory estimate (its state per weight).")
-@click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True,
-              help="Batch size of the memory estimate.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON document instead of text  [default: text]")
+@estimate_options
+@JSON_OPTION
 def split_command(model: Path, outdir: Path | None, as_json: bool, **options):
     """Write STEM.frozen.circle (the forward graph, trainable weights cut out),
     STEM.wof (those weights) and STEM.backprop.circle (the gradient graph) for
