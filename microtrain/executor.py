@@ -88,15 +88,16 @@ class Memory:
             return dict(self.param_views)
         working = backing.astype(HALF).astype(np.float32)  # frozen rows rounded once
         self.working = working[lead:lead + ends[-1]]
-        self._half = np.empty(self.params.shape, HALF)
+        self.round_working: list = []  # set by compile_plan, over the workspace
         return {t: working[start:start + art.weights[t].size].reshape(art.weights[t].shape)
                 for t, start in starts.items()}
 
     def refresh_weights(self) -> None:
         """Round the master weights into the fp16 working copy."""
         if self.half_weights:
-            np.copyto(self._half, self.params, casting="unsafe")
-            np.copyto(self.working, self._half)
+            np.copyto(self.working, self.params)
+            for step in self.round_working:
+                step()
 
     def _planned(self, g: Graph, graph: str) -> dict:
         return self.arena.views(g, graph, _float) if self.arena else {}
@@ -218,7 +219,13 @@ def compile_plan(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
     return plan
 
 
+WEIGHT_CHUNK = 1 << 16  # weights are rounded in chunks, so their scratch stays small
+
+
 def _compile(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
+    if mem.half_weights:  # between steps, so it may share the kernels' workspace
+        mem.round_working = [rounder(mem.working[i:i + WEIGHT_CHUNK])
+                             for i in range(0, mem.working.size, WEIGHT_CHUNK)]
     fwd = _views(art.forward, mem.forward, rows)
     inputs = [fwd[i] for i in art.forward.inputs]
     round_inputs = [rounder(fwd[i]) for i in art.forward.inputs

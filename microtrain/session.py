@@ -64,7 +64,7 @@ def _resume(trainer: Trainer, path) -> tuple[dict, Shuffler]:
     if ckpt.optimizer_config != trainer.optimizer.config():
         raise UserError(path, f"was saved with {ckpt.optimizer} settings {ckpt.optimizer_config}; "
                               f"this run uses {trainer.optimizer.config()}")
-    trainer.memory.params[...] = ckpt.params
+    trainer.set_params(ckpt.params)
     try:
         trainer.optimizer.load_state(ckpt.optimizer_state)
     except ValueError as e:

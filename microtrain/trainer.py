@@ -312,6 +312,13 @@ class Trainer:
         return after[key] > before[key] if HIGHER_IS_BETTER[key] else after[key] < before[key]
 
     # -- weights ------------------------------------------------------------------------------
+    def set_params(self, flat: np.ndarray) -> None:
+        """Replace the flat fp32 master weights (e.g. from a checkpoint) and the
+        working copy the graphs read."""
+        self._plan(self.batch_size)  # the fp16 working copy is rounded by the plan's closures
+        self.memory.params[...] = flat
+        self.memory.refresh_weights()
+
     def weights(self) -> dict[int, np.ndarray]:
         return dict(self.memory.param_views)
 

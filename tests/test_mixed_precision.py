@@ -130,3 +130,25 @@ def test_accumulating_k_batches_equals_one_k_times_larger_batch(tmp_path, optimi
     np.testing.assert_allclose(small.memory.params, big.memory.params, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
     assert big.optimizer.iterations == small.optimizer.iterations == 8
+
+
+def test_fp16_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path):
+    """The checkpoint carries the loss-scale state, and resuming refreshes the fp16
+    working copy of the weights."""
+    import json
+    from click.testing import CliRunner
+    from microtrain.cli import main
+    frozen = split(FIXTURES / "mlp.tflite", tmp_path, precision="fp16").frozen
+    common = ["run", str(frozen), "--input", str(FIXTURES / "digits_x.npy"), "--target",
+              str(FIXTURES / "digits_onehot.npy"), "--json", "--seed", "3", "--save", "never",
+              "--loss-scale", "dynamic", "--growth-interval", "20"]
+
+    def losses(*args) -> list[float]:
+        result = CliRunner().invoke(main, common + list(args))
+        assert result.exit_code == 0, result.output
+        return [json.loads(line)["loss"] for line in result.stdout.splitlines()[:-1]]
+    straight = losses("--epochs", "4")
+    ckpt = str(tmp_path / "ckpt.npz")
+    resumed = losses("--epochs", "2", "--checkpoint", ckpt) + \
+        losses("--epochs", "4", "--checkpoint", ckpt, "--resume")
+    assert resumed == straight
