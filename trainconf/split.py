@@ -6,19 +6,19 @@ from pathlib import Path
 
 import numpy as np
 
+from microtrain.artifacts import BACKPROP_META, TRAINING_META, Artifacts, fingerprint
 from microtrain.atomic import atomic_write
 from microtrain.errors import UserError
-from microtrain.format.model import load_model, model_to_bytes, set_metadata
+from microtrain.format.model import buffer_array, load_model, model_to_bytes, set_metadata
 from microtrain.format.wof import wof_to_bytes
 from microtrain.graph import BATCH, Graph, graph_of
-from microtrain.artifacts import BACKPROP_META, TRAINING_META, Artifacts, fingerprint
 
 from .backprop import LOGITS_OF, LOSSES, REDUCTIONS, Backprop, Builder, build_backprop
 from .budget import fit_budget, parse_size
 from .fold import fold_shape_chains
 from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .select import select_trainable
-from .writer import graph_to_model, set_constant
+from .writer import TENSOR_TYPES, graph_to_model, set_constant
 
 
 @dataclass
@@ -99,7 +99,6 @@ def resolve_precision(precision: str = "fp32", weight_dtype: str | None = None,
 
 
 def set_activation_dtype(model, g: Graph, dtype: np.dtype) -> None:
-    from .writer import TENSOR_TYPES
     for t in _activations(g):
         g.tensors[t].dtype = dtype
         model.subgraphs[0].tensors[t].type = TENSOR_TYPES[dtype]
@@ -113,7 +112,6 @@ def default_loss(g: Graph) -> str:
 
 def cut_weights(model, trainable: list[int]) -> dict[int, np.ndarray]:
     """Remove the trainable tensors' data from the model; returns it for the .wof."""
-    from microtrain.format.model import buffer_array
     sg = model.subgraphs[0]
     weights = {t: buffer_array(model, sg.tensors[t]) for t in trainable}
     for t in trainable:
