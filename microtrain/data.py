@@ -40,7 +40,7 @@ def load_array(spec: str, sample_shape: Sequence[int] | None = None) -> np.ndarr
         raise UserError(spec, _numpy_refusal(str(e), suffix)) from None
     except (OSError, EOFError, zipfile.BadZipFile) as e:
         raise UserError(path, f"cannot read it as {suffix} ({e})") from None
-    _check_values(spec, array)
+    check_values(spec, array)
     return array
 
 
@@ -90,7 +90,8 @@ def _load_raw(path: Path, sample_shape: Sequence[int] | None) -> np.ndarray:
     return np.fromfile(path, dtype="<f4").reshape(-1, *sample_shape)
 
 
-def _check_values(spec: str, array: np.ndarray) -> None:
+def check_values(spec, array: np.ndarray) -> None:
+    """Numbers, at least one sample, no NaN or inf; else a UserError naming `spec`."""
     if array.dtype.kind not in _NUMERIC_KINDS:
         raise UserError(spec, f"holds {array.dtype} data; expected numbers")
     if array.ndim == 0:

@@ -119,15 +119,6 @@ class Memory:
                 arrays.append(np.zeros(concrete_shape(t.shape, batch), _float(t.dtype)))
         return arrays
 
-    def nbytes(self) -> int:
-        seen, total = set(), 0
-        for arr in self.forward + (self.backprop or []):
-            base = arr if arr.base is None else arr.base
-            if id(base) not in seen:
-                seen.add(id(base))
-                total += base.nbytes
-        return total
-
 
 def _trained_spans(art: Artifacts) -> dict[int, tuple[int, int]]:
     """Trainable tensor -> the elements [lo, hi) of its flattened data that train:

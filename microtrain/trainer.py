@@ -9,7 +9,7 @@ import numpy as np
 
 from .arena import held_bytes
 from .artifacts import load_artifacts
-from .data import batch_indices
+from .data import batch_indices, check_values
 from .errors import UserError
 from .executor import Hooks, Memory, Plan, check_supported, compile_plan
 from .format.wof import write_wof
@@ -115,10 +115,7 @@ class Trainer:
             if a.ndim == 0 or got != want:
                 raise UserError(where, f"expected {what} samples of shape {want}, found "
                                        f"{got} (array of shape {a.shape})")
-            if not np.issubdtype(a.dtype, np.number):
-                raise UserError(where, f"expected numbers, found dtype {a.dtype}")
-            if not np.all(np.isfinite(a)):
-                raise UserError(where, "contains NaN or inf")
+            check_values(where, a)
         if len({len(a) for a in arrays}) > 1:
             raise UserError(None, f"the {what}s have different sample counts")
         return arrays
