@@ -97,7 +97,11 @@ def test_some_output_channels(tmp_path):
     x, t = data("mlp", 32)
     _, part_grads = Trainer(result.frozen, batch_size=32).gradients([x], [t])
     _, full_grads = Trainer(full.frozen, batch_size=32).gradients([x], [t])
-    np.testing.assert_allclose(part_grads[kernel], full_grads[kernel][lo:hi], rtol=1e-6, atol=1e-9)
+    # float32 sums over a batch of 32 in another order (BLAS picks its kernel by
+    # shape): equal up to a few ulps of the largest term, not to 1e-6 of each element
+    expected = full_grads[kernel][lo:hi]
+    np.testing.assert_allclose(part_grads[kernel], expected, rtol=0,
+                               atol=32 * np.finfo(np.float32).eps * np.abs(expected).max())
     original = read_wof(result.wof, load_model(result.frozen))[kernel].copy()
     before, after, trainer = losses_before_and_after(result.frozen, "mlp", 32, "adam")
     assert after < before
