@@ -39,26 +39,49 @@ def _members(enum) -> dict[str, int]:
     return {k: v for k, v in vars(enum).items() if not k.startswith("_")}
 
 
-@pytest.mark.parametrize("name", ["BuiltinOperator", "BuiltinOptions", "BuiltinOptions2",
-                                  "TensorType", "ActivationFunctionType", "Padding",
-                                  "QuantizationDetails", "CustomOptionsFormat",
-                                  "FullyConnectedOptionsWeightsFormat", "DimensionType",
-                                  "SparseIndexVector", "ReduceWindowFunction"])
+def _tflite_enums() -> list[str]:
+    """Every enum and union of TFLite's bindings: the classes holding only ints."""
+    return sorted(n for n, c in vars(tflite).items() if isinstance(c, type)
+                  and _members(c) and all(isinstance(v, int) for v in _members(c).values()))
+
+
+# circle's own options tables (its own operators), above TFLite's range.
+CIRCLE_ONLY_OPTIONS = {"RunModelOptions": 248, "RoPEOptions": 249, "RmsNormOptions": 250,
+                       "GRUOptions": 251, "BCQGatherOptions": 252,
+                       "BCQFullyConnectedOptions": 253, "InstanceNormOptions": 254}
+
+
+def test_every_tflite_enum_is_checked():
+    assert len(_tflite_enums()) == 20 and "BuiltinOptions2" in _tflite_enums()
+
+
+@pytest.mark.parametrize("name", _tflite_enums())
 def test_enum_values_agree_with_tflite(name):
     ours, theirs = _members(getattr(circle, name)), _members(getattr(tflite, name))
-    shared = ours.keys() & theirs.keys()
-    assert {k: ours[k] for k in shared} == {k: theirs[k] for k in shared}
+    assert {k: ours.get(k) for k in theirs} == theirs, "a TFLite value missing or moved"
     circle_only = {k: v for k, v in ours.items() if k not in theirs}
     # circle's own additions (negative codes mostly) never take a value TFLite uses
     assert not set(circle_only.values()) & set(theirs.values()), circle_only
 
 
-def test_every_tflite_builtin_up_to_205_is_known():
-    tfl = _members(tflite.BuiltinOperator)
-    assert {k for k, v in tfl.items() if v <= 205} <= _members(circle.BuiltinOperator).keys()
+def test_union_members_are_tflites_plus_circles_own():
+    ours, theirs = _members(circle.BuiltinOptions), _members(tflite.BuiltinOptions)
+    assert ours == {**theirs, **CIRCLE_ONLY_OPTIONS}
+    assert _members(circle.BuiltinOptions2) == _members(tflite.BuiltinOptions2)
 
 
-def _distinct_values(obj) -> None:
+def test_circle_operators_are_tflites_plus_circles_own():
+    ours, theirs = _members(circle.BuiltinOperator), _members(tflite.BuiltinOperator)
+    assert {k: v for k, v in ours.items() if k not in theirs} == {
+        "RUN_MODEL": -8, "ROPE": -7, "RMS_NORM": -6, "GRU": -5, "BCQ_GATHER": -4,
+        "BCQ_FULLY_CONNECTED": -3, "INSTANCE_NORM": -2}
+
+
+def _camel(field: str) -> str:
+    return field[0].upper() + field[1:]
+
+
+def _distinct_values(obj, reader) -> None:
     """Give every field of an object-API table a distinct non-default value."""
     for k, (name, default) in enumerate(vars(obj).items(), start=2):
         if isinstance(default, bool):
@@ -67,8 +90,10 @@ def _distinct_values(obj) -> None:
             value = k
         elif isinstance(default, float):
             value = 0.25 * k
-        else:  # a vector field
-            value = [k, k + 1]
+        elif hasattr(reader, _camel(name) + "AsNumpy"):  # a vector field
+            value = [True, False] if name == "windowReversal" else [k, k + 1]
+        else:  # a string
+            value = f"s{k}"
         setattr(obj, name, value)
 
 
@@ -79,10 +104,11 @@ def _packed(obj) -> bytes:
 
 
 def _read_back(reader, field: str):
-    camel = field[0].upper() + field[1:]
+    camel = _camel(field)
     if hasattr(reader, camel + "AsNumpy"):
         return getattr(reader, camel + "AsNumpy")().tolist()
-    return getattr(reader, camel)()
+    value = getattr(reader, camel)()
+    return value.decode() if isinstance(value, bytes) else value
 
 
 OPTION_TABLES = [n for n in _members(circle.BuiltinOptions) if n != "NONE"] + \
@@ -91,9 +117,13 @@ OPTION_TABLES = [n for n in _members(circle.BuiltinOptions) if n != "NONE"] + \
 
 @pytest.mark.parametrize("table", OPTION_TABLES)
 def test_options_table_layout_matches_tflite(table):
+    """Each table written by our bindings reads back field by field with
+    TFLite's (circle's own tables, which TFLite lacks, with ours)."""
     obj = getattr(circle, table + "T")()
-    _distinct_values(obj)
-    reader = getattr(tflite, table).GetRootAs(_packed(obj), 0)
+    reader_class = getattr(tflite, table, None) or getattr(circle, table)
+    assert (reader_class is getattr(circle, table)) == (table in CIRCLE_ONLY_OPTIONS)
+    _distinct_values(obj, reader_class)
+    reader = reader_class.GetRootAs(_packed(obj), 0)
     for field, value in vars(obj).items():
         assert _read_back(reader, field) == pytest.approx(value), field
 

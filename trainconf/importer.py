@@ -82,7 +82,7 @@ def _check_subgraph(m, s: int, codes, path) -> None:
     types = enum_names(tflite.TensorType)
     for t in range(sg.TensorsLength()):
         tensor = sg.Tensors(t)
-        name = types.get(tensor.Type(), f"type {tensor.Type()}")
+        name = types.get(tensor.Type(), str(tensor.Type()))
         if not _same_in_circle(circle.TensorType, name, tensor.Type()):
             raise UserError(path, f"subgraph {s} tensor {t} '{tensor.Name().decode(errors='replace')}'"
                                   f" has type {name}, which circle does not have")
