@@ -1,0 +1,231 @@
+"""Collect real .tflite models from three sources into a cache (not run by CI).
+
+    python scripts/fetch_real_models.py --cache DIR [--tf-python PY] [--torch-python PY]
+
+- mediapipe: the `.tflite` files the mediapipe 0.10.21 wheel ships under mediapipe/modules/
+  (the newest release that still ships them). The wheel is only unzipped, never installed;
+  give it with --mediapipe-wheel or the script fetches it with `pip download`.
+- keras: Keras applications with random weights (weights=None), a 10-class head and a 32x32x3
+  input (the smallest each allows), converted by TensorFlow's TFLiteConverter from a SavedModel;
+  plus MobileNetV2 quantized two ways: dynamic range (int8 weights, float activations) and full
+  integer (int8 activations). Needs TensorFlow: --tf-python names an interpreter that has it.
+- torch: PyTorch models with random weights converted by litert-torch: a small CNN,
+  torchvision's mobilenet_v3_small and resnet18. --torch-python names an interpreter with
+  torch, torchvision and litert-torch.
+
+Each source runs in its own interpreter (this script re-runs itself there with --worker).
+Afterwards DIR/INDEX.md lists every model with its size and operators (read with the `tflite`
+package) and DIR/index.json holds the same as data.
+"""
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+MEDIAPIPE = "mediapipe==0.10.21"
+SOURCES = ("mediapipe", "keras", "torch")
+INPUT = (32, 32, 3)
+CLASSES = 10
+SEED = 0
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trainconf" / "real_models"
+
+
+# ---------------------------------------------------------------- mediapipe
+
+
+def fetch_mediapipe(cache: Path, wheel: Path | None) -> None:
+    if wheel is None:
+        wheels = cache / "wheels"
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                        "-d", str(wheels), MEDIAPIPE], check=True)
+        wheel = next(wheels.glob("mediapipe-*.whl"))
+    out = cache / "mediapipe"
+    out.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            path = Path(info.filename)
+            if path.suffix == ".tflite" and path.parts[:2] == ("mediapipe", "modules"):
+                (out / path.name).write_bytes(z.read(info))
+                print(f"mediapipe/{path.name}")
+
+
+# ---------------------------------------------------------------- keras (worker, needs TensorFlow)
+
+
+def keras_worker(out: Path) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import tempfile
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    apps = {
+        "mobilenet_v2": keras.applications.MobileNetV2,
+        "mobilenet_v3_small": keras.applications.MobileNetV3Small,
+        "efficientnet_b0": keras.applications.EfficientNetB0,
+        "resnet50": keras.applications.ResNet50,
+        "densenet121": keras.applications.DenseNet121,
+    }
+
+    def representative():
+        rng = np.random.default_rng(SEED)
+        for _ in range(16):
+            yield [rng.uniform(0, 255, (1, *INPUT)).astype(np.float32)]
+
+    def dynamic_range(c):
+        c.optimizations = [tf.lite.Optimize.DEFAULT]
+
+    def full_int8(c):
+        dynamic_range(c)
+        c.representative_dataset = representative
+        c.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+        c.inference_input_type = tf.int8
+        c.inference_output_type = tf.int8
+
+    variants = {"": None, "_dynamic_int8": dynamic_range, "_int8": full_int8}
+    out.mkdir(parents=True, exist_ok=True)
+    for name, app in apps.items():
+        keras.utils.set_random_seed(SEED)
+        model = app(weights=None, classes=CLASSES, input_shape=INPUT)
+        with tempfile.TemporaryDirectory() as tmp:
+            model.export(tmp, verbose=False)
+            for suffix, configure in variants.items():
+                if suffix and name != "mobilenet_v2":
+                    continue
+                converter = tf.lite.TFLiteConverter.from_saved_model(tmp)
+                if configure:
+                    configure(converter)
+                (out / f"{name}{suffix}.tflite").write_bytes(converter.convert())
+                print(f"keras/{name}{suffix}.tflite")
+
+
+# ---------------------------------------------------------------- torch (worker, needs litert-torch)
+
+
+def torch_worker(out: Path) -> None:
+    import litert_torch
+    import torch
+    import torchvision
+
+    class SmallCNN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.features = torch.nn.Sequential(
+                torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2))
+            self.head = torch.nn.Linear(16 * 8 * 8, CLASSES)
+
+        def forward(self, x):
+            return self.head(torch.flatten(self.features(x), 1))
+
+    models = {
+        "small_cnn": SmallCNN,
+        "mobilenet_v3_small": lambda: torchvision.models.mobilenet_v3_small(num_classes=CLASSES),
+        "resnet18": lambda: torchvision.models.resnet18(num_classes=CLASSES),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    h, w, c = INPUT
+    for name, make in models.items():
+        torch.manual_seed(SEED)
+        model = make().eval()
+        litert_torch.convert(model, (torch.randn(1, c, h, w),)).export(str(out / f"{name}.tflite"))
+        print(f"torch/{name}.tflite")
+
+
+# ---------------------------------------------------------------- index
+
+
+def describe(path: Path) -> dict:
+    """Operators (with counts), tensor types of constants, input/output shapes of one model."""
+    import tflite
+
+    names = {v: k for k, v in vars(tflite.BuiltinOperator).items() if not k.startswith("_")}
+    types = {v: k for k, v in vars(tflite.TensorType).items() if not k.startswith("_")}
+    model = tflite.Model.GetRootAsModel(path.read_bytes(), 0)
+    ops = collections.Counter()
+    const_types = collections.Counter()
+    for s in range(model.SubgraphsLength()):
+        graph = model.Subgraphs(s)
+        for i in range(graph.OperatorsLength()):
+            code = model.OperatorCodes(graph.Operators(i).OpcodeIndex())
+            builtin = max(code.BuiltinCode(), code.DeprecatedBuiltinCode())
+            ops[code.CustomCode().decode() if builtin == tflite.BuiltinOperator.CUSTOM
+                else names[builtin]] += 1
+        for i in range(graph.TensorsLength()):
+            tensor = graph.Tensors(i)
+            buffer = model.Buffers(tensor.Buffer())
+            if buffer.DataLength() or buffer.Size():
+                const_types[types[tensor.Type()]] += 1
+    graph = model.Subgraphs(0)
+
+    def shapes(indices):
+        return [graph.Tensors(i).ShapeAsNumpy().tolist() for i in indices]
+
+    return {"bytes": path.stat().st_size, "subgraphs": model.SubgraphsLength(),
+            "inputs": shapes(graph.InputsAsNumpy()), "outputs": shapes(graph.OutputsAsNumpy()),
+            "operators": dict(ops.most_common()), "constant_types": dict(const_types.most_common())}
+
+
+def write_index(cache: Path) -> None:
+    index = {f"{p.parent.name}/{p.name}": describe(p)
+             for source in SOURCES for p in sorted((cache / source).glob("*.tflite"))}
+    (cache / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    lines = ["# Real models", "", "Written by scripts/fetch_real_models.py.", "",
+             "| model | bytes | inputs | outputs | constants by type | operators (uses) |",
+             "|---|---|---|---|---|---|"]
+    for name, d in index.items():
+        ops = ", ".join(f"{op} {n}" for op, n in d["operators"].items())
+        consts = ", ".join(f"{t} {n}" for t, n in d["constant_types"].items())
+        lines.append(f"| {name} | {d['bytes']:,} | {d['inputs']} | {d['outputs']} | {consts} | {ops} |")
+    (cache / "INDEX.md").write_text("\n".join(lines) + "\n")
+    print(f"{len(index)} models; index in {cache / 'INDEX.md'}")
+
+
+# ---------------------------------------------------------------- main
+
+
+WORKERS = {"keras": keras_worker, "torch": torch_worker}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache", type=Path, default=default_cache(),
+                        help="directory for the models (default: %(default)s)")
+    parser.add_argument("--sources", default=",".join(SOURCES),
+                        help="comma list of sources to fetch (default: %(default)s)")
+    parser.add_argument("--mediapipe-wheel", type=Path,
+                        help=f"the {MEDIAPIPE} wheel (default: pip download it into CACHE/wheels)")
+    parser.add_argument("--tf-python", default=sys.executable,
+                        help="interpreter with TensorFlow, for keras (default: this one)")
+    parser.add_argument("--torch-python", default=sys.executable,
+                        help="interpreter with torch, torchvision, litert-torch (default: this one)")
+    parser.add_argument("--index-only", action="store_true", help="only rewrite INDEX.md")
+    parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    cache = args.cache.resolve()
+    if args.worker:
+        WORKERS[args.worker](cache / args.worker)
+        return
+    if not args.index_only:
+        for source in args.sources.split(","):
+            if source == "mediapipe":
+                fetch_mediapipe(cache, args.mediapipe_wheel)
+            else:
+                python = args.tf_python if source == "keras" else args.torch_python
+                subprocess.run([python, __file__, "--cache", str(cache), "--worker", source],
+                               check=True)
+    write_index(cache)
+
+
+if __name__ == "__main__":
+    main()

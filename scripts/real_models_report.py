@@ -1,0 +1,307 @@
+"""Run the whole toolchain on every model of the real-model cache and tabulate what happens.
+
+    python scripts/real_models_report.py --cache DIR [--models GLOB] [--code REPO]
+
+For each DIR/<source>/<name>.tflite (see scripts/fetch_real_models.py), as a new user would, each
+command in a fresh process: `trainconf import`, `trainconf inspect`, then for each --trainable
+spec (`all`, `last:1`, `last:2`) `trainconf split`, `microtrain infer` and `microtrain run`
+(2 epochs, Adam, on random data shaped like the model's inputs and outputs). Each command ends
+`ok`, in a one-line `Error:` (quoted) or in a traceback (its last line quoted). The TFLite
+interpreter (ai-edge-litert) runs the original model on the same inputs: the table gives the
+largest difference of `microtrain infer` from it and the loss of its outputs against the
+starting loss microtrain reports, and whether training kept the loss finite and lowered it.
+Writes DIR/REPORT.md and DIR/report.json. --code runs another checkout's trainconf/microtrain.
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SPECS = ("all", "last:1", "last:2")
+SAMPLES, BATCH, EPOCHS, SEED = 4, 2, 2, 0
+TIMEOUT = 900
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Outcome:
+    """How one command ended: status is ok, error, traceback or timeout."""
+    status: str
+    message: str = ""
+    seconds: float = 0.0
+
+    @property
+    def cell(self) -> str:
+        return "ok" if self.status == "ok" else f"{self.status}: `{self.message}`"
+
+
+@dataclass
+class SpecResult:
+    split: Outcome
+    infer: Outcome | None = None
+    run: Outcome | None = None
+    loss: str = ""                 # the split's loss function
+    max_diff: float | None = None  # |microtrain infer - TFLite|, largest
+    reference_loss: float | None = None
+    initial_loss: float | None = None
+    history: list = field(default_factory=list)
+    final_loss: float | None = None
+
+    @property
+    def matches(self) -> bool | None:
+        """The starting loss equals the loss of the interpreter's outputs (relative 1e-4)."""
+        if self.initial_loss is None or self.reference_loss is None:
+            return None
+        return abs(self.initial_loss - self.reference_loss) <= 1e-4 * max(1.0, abs(self.reference_loss))
+
+    @property
+    def trains(self) -> bool:
+        """Finite losses throughout, and the loss after training below the one before."""
+        losses = [self.initial_loss, self.final_loss, *self.history]
+        return (self.run is not None and self.run.status == "ok"
+                and all(v is not None and math.isfinite(v) for v in losses)
+                and self.final_loss < self.initial_loss)
+
+
+@dataclass
+class ModelResult:
+    name: str
+    bytes: int
+    import_: Outcome
+    inspect: Outcome
+    specs: dict = field(default_factory=dict)
+    reference: str = ""  # why there is no TFLite reference, if there is none
+
+
+# ---------------------------------------------------------------- running commands
+
+
+def command(args, env, cwd, json_out=False) -> tuple[Outcome, object]:
+    """Run `python -m <args>` in cwd (so messages name files relative to it); classify how it
+    ended and parse its JSON (last line)."""
+    start = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-m", *map(str, args)], capture_output=True,
+                           text=True, env=env, cwd=cwd, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return Outcome("timeout", f"over {TIMEOUT} s", TIMEOUT), None
+    seconds = time.perf_counter() - start
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    if "Traceback (most recent call last)" in p.stderr:
+        return Outcome("traceback", lines[-1], seconds), None
+    if p.returncode:
+        errors = [l for l in lines if l.startswith("Error:")]
+        return Outcome("error", (errors or lines or [f"exit {p.returncode}"])[-1], seconds), None
+    data = None
+    if json_out:
+        data = json.loads(p.stdout.strip().splitlines()[-1])
+    return Outcome("ok", "", seconds), data
+
+
+# ---------------------------------------------------------------- the TFLite reference
+
+
+def reference_outputs(model: Path, xs: list[np.ndarray]) -> list[np.ndarray]:
+    """The interpreter's outputs, one sample at a time (fixed-batch models take batch 1)."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=str(model))
+    inputs = interpreter.get_input_details()
+    for d, x in zip(inputs, xs):
+        interpreter.resize_tensor_input(d["index"], [1, *x.shape[1:]])
+    interpreter.allocate_tensors()
+    outputs = interpreter.get_output_details()
+    results = [[] for _ in outputs]
+    for i in range(len(xs[0])):
+        for d, x in zip(inputs, xs):
+            interpreter.set_tensor(d["index"], x[i:i + 1])
+        interpreter.invoke()
+        for r, d in zip(results, outputs):
+            r.append(interpreter.get_tensor(d["index"]).copy())
+    return [np.concatenate(r) for r in results]
+
+
+def loss_value(name: str, ys: list[np.ndarray], ts: list[np.ndarray]) -> float:
+    """Keras's loss with mean reduction, summed over the outputs (as the backprop graph)."""
+    total = 0.0
+    for y, t in zip(ys, ts):
+        y, t = y.astype(np.float64), t.astype(np.float64)
+        if name == "mse":
+            total += np.mean((y - t) ** 2)
+        elif name == "mae":
+            total += np.mean(np.abs(y - t))
+        elif name == "cce":
+            p = np.clip(y / y.sum(-1, keepdims=True), 1e-7, 1 - 1e-7)
+            total += np.mean(-(t * np.log(p)).sum(-1))
+        else:
+            raise ValueError(f"no reference for loss {name}")
+    return float(total)
+
+
+# ---------------------------------------------------------------- one model
+
+
+def model_io(model: Path):
+    """(input shapes, input dtypes, output shapes) with the batch dimension dropped."""
+    import tflite
+
+    m = tflite.Model.GetRootAsModel(model.read_bytes(), 0)
+    g = m.Subgraphs(0)
+    ins = [g.Tensors(i) for i in g.InputsAsNumpy()]
+    outs = [g.Tensors(i) for i in g.OutputsAsNumpy()]
+    return ([t.ShapeAsNumpy().tolist()[1:] for t in ins], [t.Type() for t in ins],
+            [t.ShapeAsNumpy().tolist()[1:] for t in outs])
+
+
+def make_data(model: Path, work: Path):
+    """Random inputs in [0, 1) and targets (one-hot rows, which suit every loss) on disk."""
+    in_shapes, _, out_shapes = model_io(model)
+    rng = np.random.default_rng(SEED)
+    xs = [rng.random((SAMPLES, *s), dtype=np.float32) for s in in_shapes]
+    ts = []
+    for s in out_shapes:
+        t = np.zeros((SAMPLES, *s), np.float32)
+        idx = rng.integers(0, s[-1], (SAMPLES, *s[:-1]))
+        np.put_along_axis(t, idx[..., None], 1.0, axis=-1)
+        ts.append(t)
+    paths = {}
+    for kind, arrays in (("x", xs), ("t", ts)):
+        paths[kind] = []
+        for i, a in enumerate(arrays):
+            path = work / f"{kind}{i}.npy"
+            np.save(path, a)
+            paths[kind].append(path)
+    return xs, ts, paths
+
+
+def run_model(model: Path, name: str, work: Path, env) -> ModelResult:
+    import tflite
+
+    circle = work / (model.stem + ".circle")  # commands run in work: relative names
+    imported, _ = command(["trainconf.cli", "import", model, "-o", circle.name], env, work)
+    source = circle.name if imported.status == "ok" else model
+    inspected, _ = command(["trainconf.cli", "inspect", source, "--json"], env, work, json_out=True)
+    result = ModelResult(name, model.stat().st_size, imported, inspected)
+    xs, ts, data = make_data(model, work)
+    ys = None
+    if all(t == tflite.TensorType.FLOAT32 for t in model_io(model)[1]):
+        try:
+            ys = reference_outputs(model, xs)
+        except RuntimeError as e:  # e.g. a custom op the interpreter lacks
+            result.reference = f"interpreter: {str(e).splitlines()[0]}"
+    else:
+        result.reference = "the model's inputs are not float32"
+    for spec in SPECS:
+        out = spec.replace(":", "")
+        split, info = command(["trainconf.cli", "split", source, "-o", out, "--trainable", spec,
+                               "--json"], env, work, json_out=True)
+        r = result.specs[spec] = SpecResult(split)
+        if split.status != "ok":
+            continue
+        frozen = Path(out, model.stem + ".frozen.circle")
+        r.loss = info.get("loss", "") if isinstance(info, dict) else ""
+        inputs = [a for p in data["x"] for a in ("--input", p)]
+        targets = [a for p in data["t"] for a in ("--target", p)]
+        predicted = work / "y.npz"
+        r.infer, _ = command(["microtrain.cli", "infer", frozen, *inputs, "-o", predicted], env,
+                             work)
+        if r.infer.status == "ok" and ys is not None:
+            with np.load(predicted) as z:
+                mine = [z[k] for k in z.files]
+            r.max_diff = max(float(np.max(np.abs(a - b))) for a, b in zip(mine, ys))
+        r.run, summary = command(["microtrain.cli", "run", frozen, *inputs, *targets,
+                                  "--epochs", EPOCHS, "--batch-size", BATCH, "--no-shuffle",
+                                  "--save", "never", "--json"], env, work, json_out=True)
+        if summary:
+            r.loss = summary["loss"]
+            r.initial_loss, r.final_loss = summary["initial_loss"], summary["final_loss"]
+            r.history = summary["history"]
+            if ys is not None and r.loss in ("mse", "mae", "cce"):
+                r.reference_loss = loss_value(r.loss, ys, ts)
+    return result
+
+
+# ---------------------------------------------------------------- the report
+
+
+def fmt(v, digits=4) -> str:
+    return "–" if v is None else f"{v:.{digits}g}"
+
+
+def spec_cell(r: SpecResult | None) -> str:
+    if r is None:
+        return "–"
+    if r.split.status != "ok":
+        return f"split {r.split.cell}"
+    if r.run is None or r.run.status != "ok":
+        return f"run {r.run.cell}" if r.run else "–"
+    verdict = "**trains**" if r.trains else "does not train"
+    return (f"{verdict}: loss {fmt(r.initial_loss)} → {fmt(r.final_loss)} "
+            f"(epochs {', '.join(fmt(v) for v in r.history)})")
+
+
+def write_report(results: list[ModelResult], cache: Path, argv: str, code: Path) -> None:
+    (cache / "report.json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+    trained = [r.name for r in results
+               if all(r.specs.get(s) and r.specs[s].trains for s in ("all", "last:2"))]
+    lines = [
+        "# Real-model corpus report", "",
+        f"Command: `{argv}`  ", f"Code: {code} at {git_head(code)}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+        f"{SAMPLES} random samples, batch {BATCH}, {EPOCHS} epochs, Adam, default loss. "
+        "Trains = finite losses and the loss after training below the loss before.  "
+        "Δ infer = largest |microtrain infer − TFLite interpreter| (on the `all` split, else the "
+        "first split that worked); loss vs TFLite = microtrain's starting loss / the same loss "
+        "computed from the interpreter's outputs.", "",
+        f"**Train end to end with `all` and `last:2`: {len(trained)} of {len(results)}**: "
+        + (", ".join(trained) or "none"), "",
+        "| model | bytes | import | inspect | Δ infer | loss vs TFLite | all | last:1 | last:2 |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        first = next((s for s in r.specs.values() if s.max_diff is not None or s.initial_loss), None)
+        diff = fmt(first.max_diff, 3) if first else "–"
+        ref = (f"{fmt(first.initial_loss, 6)} / {fmt(first.reference_loss, 6)}"
+               + {True: " (=)", False: " (**differs**)", None: ""}[first.matches]
+               if first and first.initial_loss is not None else r.reference or "–")
+        lines.append(f"| {r.name} | {r.bytes:,} | {r.import_.cell} | {r.inspect.cell} | {diff} | "
+                     f"{ref} | " + " | ".join(spec_cell(r.specs.get(s)) for s in SPECS) + " |")
+    (cache / "REPORT.md").write_text("\n".join(lines) + "\n")
+
+
+def git_head(code: Path) -> str:
+    p = subprocess.run(["git", "-C", str(code), "log", "-1", "--format=%h %s"],
+                       capture_output=True, text=True)
+    return p.stdout.strip()[:80] or "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache", type=Path, required=True,
+                        help="the directory scripts/fetch_real_models.py filled")
+    parser.add_argument("--models", default="*/*.tflite",
+                        help="glob of models under the cache (default: %(default)s)")
+    parser.add_argument("--code", type=Path, default=REPO,
+                        help="checkout whose trainconf/microtrain run (default: this one)")
+    args = parser.parse_args()
+    env = dict(os.environ, PYTHONPATH=str(args.code.resolve()))
+    results = []
+    for model in sorted(args.cache.glob(args.models)):
+        name = f"{model.parent.name}/{model.stem}"
+        with tempfile.TemporaryDirectory() as tmp:
+            r = run_model(model, name, Path(tmp), env)
+        results.append(r)
+        print(name, r.import_.status, r.inspect.status,
+              *(f"{s}:{spec_cell(r.specs.get(s))}" for s in SPECS), flush=True)
+        write_report(results, args.cache, " ".join(["python", *sys.argv]), args.code)
+
+
+if __name__ == "__main__":
+    main()
