@@ -9,6 +9,7 @@ from microtrain.format.model import load_model
 from microtrain.optimizers import OPTIMIZERS
 
 from .backprop import LOSSES, REDUCTIONS
+from .export import WEIGHT_TYPES, export
 from .importer import import_tflite
 from .inspect import describe, planned_memory, render_text
 from .memory import peak_text
@@ -115,6 +116,36 @@ def split_command(model: Path, outdir: Path | None, as_json: bool, **options):
     click.echo(peak_text(summary["memory"]))
     for name, f in summary["files"].items():
         click.echo(f"  {name:9} {f['path']}  {f['bytes']} bytes")
+
+
+@main.command("export")
+@click.argument("frozen", type=MODEL)
+@click.option("--wof", type=MODEL,
+              help="The trained weights  [default: STEM.wof beside FROZEN]")
+@click.option("-o", "--output", required=True, type=MODEL,
+              help="OUT.circle (for onert) or OUT.tflite (identifier TFL3, for LiteRT and "
+                   "onert); the suffix chooses the format.")
+@click.option("--weights", type=click.Choice(WEIGHT_TYPES), default="fp32", show_default=True,
+              help="fp16: every float32 constant stored as float16 and read through a "
+                   "DEQUANTIZE operator, as MediaPipe ships its models (half the bytes; "
+                   "LiteRT runs it, onert 0.1.0 does not).")
+@JSON_OPTION
+def export_command(frozen: Path, as_json: bool, **options):
+    """Write FROZEN (a STEM.frozen.circle) with the trained weights of its .wof
+    as a model for inference.  The training metadata and the tensors only the
+    split needed are dropped; activations get back float32 and the batch
+    dimension the split model had (dynamic, or a fixed 1); shape chains stay
+    folded (a dynamic-batch Flatten is a RESHAPE to a constant shape with -1 as
+    its batch).  A .tflite holds only what TFLite's schema has: a model with a
+    circle-only operator, options table or tensor type is refused."""
+    summary = export(frozen, **options).summary()
+    if as_json:
+        print_json(summary)
+    else:
+        click.echo(f"wrote {summary['path']} ({summary['format']}, {summary['weights']} weights, "
+                   f"batch {summary['batch']}): {summary['operators']} operators, "
+                   f"{summary['tensors']} tensors, {summary['trained_tensors']} trained tensors "
+                   f"from the .wof, {summary['bytes']} bytes")
 
 
 if __name__ == "__main__":

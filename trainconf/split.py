@@ -43,22 +43,24 @@ class SplitResult:
                 "memory": self.memory, "files": files}
 
 
-def _activations(g: Graph) -> set[int]:
+def activations(g: Graph) -> set[int]:
     """Float tensors computed from the inputs: those that have a batch dimension."""
     computed = set(g.inputs) | {t for op in g.ops for t in op.outputs}
     return {t for t in computed if np.issubdtype(g.tensors[t].dtype, np.floating)}
 
 
-def make_batch_symbolic(model, g: Graph) -> None:
+def make_batch_symbolic(model, g: Graph) -> int:
     """Write the batch dimension of every activation as -1, so the artifacts train at
-    any batch size.  Models with a fixed batch above 1 are refused."""
+    any batch size.  Models with a fixed batch above 1 are refused.  Returns the
+    model's own batch: -1 when an input's batch is dynamic, else 1 (export restores it)."""
     sg = model.subgraphs[0]
+    batches = {g.tensors[i].shape[0] for i in g.inputs if g.tensors[i].shape}
     for i in g.inputs:
         if g.tensors[i].shape and g.tensors[i].shape[0] not in (1, BATCH):
             raise UserError(None, f"input {g.tensors[i].name!r} has a fixed batch of "
                                   f"{g.tensors[i].shape[0]}; only models with a dynamic batch "
                                   "or a batch of 1 can be split")
-    for i in _activations(g):
+    for i in activations(g):
         t = g.tensors[i]
         if t.shape:
             t.shape = (BATCH,) + t.shape[1:]
@@ -68,6 +70,7 @@ def make_batch_symbolic(model, g: Graph) -> None:
         if op.type == "RESHAPE" and len(op.inputs) > 1 and g.tensors[op.inputs[1]].data is not None:
             shape = np.array(g.tensors[op.outputs[0]].shape, np.int32)
             set_constant(model, op.inputs[1], shape)
+    return BATCH if BATCH in batches else 1
 
 
 def fold(model, g: Graph) -> Graph:
@@ -78,7 +81,7 @@ def fold(model, g: Graph) -> Graph:
     sg = model.subgraphs[0]
     sg.operators = [op for i, op in enumerate(sg.operators) if i not in folded]
     folded_graph = graph_of(model)
-    for t in _activations(folded_graph):  # keep the symbolic batch made above
+    for t in activations(folded_graph):  # keep the symbolic batch made above
         folded_graph.tensors[t].shape = g.tensors[t].shape
     return folded_graph
 
@@ -99,7 +102,7 @@ def resolve_precision(precision: str = "fp32", weight_dtype: str | None = None,
 
 
 def set_activation_dtype(model, g: Graph, dtype: np.dtype) -> None:
-    for t in _activations(g):
+    for t in activations(g):
         g.tensors[t].dtype = dtype
         model.subgraphs[0].tensors[t].type = TENSOR_TYPES[dtype]
 
@@ -184,13 +187,14 @@ class Built:
 
 
 def load_prepared(model_path: Path, types: dict):
-    """The model and its forward graph with a symbolic batch, folded, typed."""
+    """The model and its forward graph with a symbolic batch, folded, typed, and
+    the model's own batch (see make_batch_symbolic)."""
     model = load_model(model_path)
     g = graph_of(model)
-    make_batch_symbolic(model, g)
+    batch = make_batch_symbolic(model, g)
     g = fold(model, g)
     set_activation_dtype(model, g, PRECISIONS[types["activations"]])
-    return model, g
+    return model, g, batch
 
 
 def build(model_path: Path, choose, loss, reduction, types, batch_size: int) -> Built:
@@ -198,7 +202,7 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int) -> 
     tensors (in execution order) and the rows {tensor: (lo, hi)} of those that
     train only some of their rows.  The kernel scratch is measured at batch 1
     and `batch_size`."""
-    model, g = load_prepared(model_path, types)
+    model, g, model_batch = load_prepared(model_path, types)
     weights, rows = choose(g)
     loss = loss or default_loss(g)
     if loss not in LOSSES or reduction not in REDUCTIONS:
@@ -209,7 +213,7 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int) -> 
     arrays = cut_weights(model, weights)
     training = {
         "version": 1, "loss": loss, "reduction": reduction, "trainable": weights,
-        "precision": types,
+        "precision": types, "batch": model_batch,
         "stable_logits_loss": LOGITS_OF.get(loss) == g.producers()[g.outputs[0]].type
         if g.outputs[0] in g.producers() else False,
     }

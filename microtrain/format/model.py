@@ -76,13 +76,14 @@ def save_model(model: circle.ModelT, path) -> None:
     atomic_write(path, model_to_bytes(model))
 
 
-def model_to_bytes(model: circle.ModelT) -> bytes:
-    """Serialize as circle (identifier CIR0).  Normalizes operator codes and
-    buffer data in place (see `_normalize`), which changes no meaning."""
+def model_to_bytes(model: circle.ModelT, identifier: bytes = b"CIR0") -> bytes:
+    """Serialize as circle (identifier CIR0; TFL3 writes the same bytes as a
+    .tflite).  Normalizes operator codes and buffer data in place (see
+    `_normalize`), which changes no meaning."""
     _normalize(model)
     size = sum(len(b.data) for b in model.buffers or () if b.data is not None)
     builder = _AlignedBuilder(size + (1 << 16))
-    builder.Finish(model.Pack(builder), file_identifier=b"CIR0")
+    builder.Finish(model.Pack(builder), file_identifier=identifier)
     return bytes(builder.Output())
 
 
