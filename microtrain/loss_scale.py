@@ -27,9 +27,10 @@ DYNAMIC_DEFAULTS = {"init": 2.0 ** 15, "growth_factor": 2.0, "backoff_factor": 0
 ADAPTIVE_DEFAULTS = {"interval": 100, "threshold": 1e-3}
 
 
-def _scale_by(a: np.ndarray, factor: np.ndarray):
+def _scale_by(a: np.ndarray, scaler: "LossScale"):
+    """Multiply `a` by the scaler's seed as it is at each call."""
     def step():
-        np.multiply(a, factor, out=a)
+        np.multiply(a, scaler.seed, out=a)
     return step
 
 
@@ -39,12 +40,12 @@ class LossScale:
     kind = "none"
 
     def __init__(self):
-        self.seed = np.ones(1, np.float32)  # multiplies the loss gradient
+        self.seed = np.float32(1)  # multiplies the loss gradient
         self.skipped = 0
 
     @property
     def scale(self) -> float:
-        return float(self.seed[0])
+        return float(self.seed)
 
     def bind(self, art, grad_offsets: dict[int, tuple[int, int]]) -> None:
         """Called once with the loaded artifacts and each gradient's place in the flat buffer."""
@@ -55,7 +56,7 @@ class LossScale:
     def after(self, op: Op, inputs, outputs) -> list:
         """Closures to run right after `op` of the backprop graph, before rounding."""
         if op.type in LOSS_OPS and self.kind != "none":
-            return [_scale_by(outputs[1], self.seed)]
+            return [_scale_by(outputs[1], self)]
         return []
 
     def unscale(self, grads: np.ndarray) -> None:
@@ -75,7 +76,7 @@ class LossScale:
         return {"kind": self.kind, "seed": self.scale, "skipped": self.skipped}
 
     def load_state(self, state: dict) -> None:
-        self.seed[0] = state["seed"]
+        self.seed = np.float32(state["seed"])
         self.skipped = state["skipped"]
 
 
@@ -84,7 +85,7 @@ class StaticScale(LossScale):
 
     def __init__(self, scale: float):
         super().__init__()
-        self.seed[0] = scale
+        self.seed = np.float32(scale)
 
 
 class DynamicScale(LossScale):
@@ -100,7 +101,7 @@ class DynamicScale(LossScale):
                 or not 0 < p["backoff_factor"] < 1:
             raise UserError(None, "loss scale: need 0 < min-scale <= initial scale <= max-scale, "
                                   "growth-factor >= 1 and 0 < backoff-factor < 1")
-        self.seed[0] = p["init"]
+        self.seed = np.float32(p["init"])
         self.growth_factor, self.backoff_factor = p["growth_factor"], p["backoff_factor"]
         self.growth_interval = p["growth_interval"]
         self.min_scale, self.max_scale = p["min_scale"], p["max_scale"]
@@ -117,7 +118,7 @@ class DynamicScale(LossScale):
         return finite
 
     def _set(self, value: float) -> None:
-        self.seed[0] = min(max(value, self.min_scale), self.max_scale)
+        self.seed = np.float32(min(max(value, self.min_scale), self.max_scale))
         self.good_steps = 0
 
     def state(self) -> dict:
@@ -175,12 +176,13 @@ class AdaptiveScale(DynamicScale):
     def bind(self, art, grad_offsets) -> None:
         g: Graph = art.backprop
         self.graph = g
-        self.factors = {op.index: np.ones(len(op.inputs) if op.type == "ADD_N" else 1, np.float32)
+        # float32 factors by which each op's output is multiplied (a list per op, so
+        # that closures see updates; numpy scalars, not arrays: no memory of their own)
+        self.factors = {op.index: [np.float32(1)] * (len(op.inputs) if op.type == "ADD_N" else 1)
                         for op in g.ops if op.type in LAYER_OPS + LOSS_OPS + ("ADD_N",)}
         self.source = self._scale_sources(g)
         self.scales: dict[int, float] = {}  # scale-setting tensor -> its total scale
         self.grad_offsets = {grad: grad_offsets[w] for grad, w in art.links["gradients"]}
-        self.inverse = None  # per-element 1/S of the flat gradient buffer
 
     def _scale_sources(self, g: Graph) -> dict[int, int]:
         """For every gradient tensor, the tensor whose scale it carries: the output
@@ -210,7 +212,7 @@ class AdaptiveScale(DynamicScale):
             if self.redo:
                 scales = [self.scale_of(t) for t in op.inputs]
                 common = min(scales)
-                ratios[:] = [common / s for s in scales]
+                ratios[:] = [np.float32(common / s) for s in scales]
                 self.scales[op.outputs[0]] = common
             np.multiply(inputs[0], ratios[0], out=out)
             for i in range(1, len(inputs)):
@@ -235,7 +237,7 @@ class AdaptiveScale(DynamicScale):
                 total = self._target_scale(op, incoming, out, weight, s_in)
                 if weight is None:
                     total *= self.scale  # the dynamic safety factor, once, at the seed
-                factor[0] = total / s_in
+                factor[0] = np.float32(total / s_in)
                 self.scales[grad_out] = total
             np.multiply(out, factor, out=out)
         return step
@@ -256,11 +258,8 @@ class AdaptiveScale(DynamicScale):
         return power_of_two_below(max(wanted, F16_TINY))
 
     def unscale(self, grads: np.ndarray) -> None:
-        if self.inverse is None:
-            self.inverse = np.ones_like(grads)
         for g, (lo, hi) in self.grad_offsets.items():
-            self.inverse[lo:hi] = 1.0 / self.scale_of(g)
-        grads *= self.inverse
+            grads[lo:hi] *= np.float32(1.0 / self.scale_of(g))
 
     def update(self, finite: bool) -> bool:
         before = self.scale
@@ -280,14 +279,14 @@ class AdaptiveScale(DynamicScale):
 
     def state(self) -> dict:
         return {**super().state(), "steps": self.steps, "redo": self.redo,
-                "factors": {str(k): v.tolist() for k, v in self.factors.items()},
+                "factors": {str(k): [float(f) for f in v] for k, v in self.factors.items()},
                 "scales": {str(k): v for k, v in self.scales.items()}}
 
     def load_state(self, state: dict) -> None:
         super().load_state(state)
         self.steps, self.redo = state["steps"], state["redo"]
         for k, v in state["factors"].items():
-            self.factors[int(k)][:] = v
+            self.factors[int(k)][:] = [np.float32(f) for f in v]
         self.scales = {int(k): v for k, v in state["scales"].items()}
 
 

@@ -4,22 +4,31 @@ Like kernels, a metric is a factory: bound once to a plan's output and target
 arrays, it returns a closure that measures the batch they hold."""
 import numpy as np
 
+from .kernels.workspace import kept
+
 HIGHER_IS_BETTER = {"accuracy": True, "mae": False, "mse": False, "loss": False}
+
+
+def _buffer(slot: str, shape, dtype) -> np.ndarray:
+    """A temporary of a metric, one per slot name; bound inside a workspace
+    (`sharing`), the metric of a partial batch takes the leading rows of the
+    full batch's."""
+    return kept(("metric", slot), shape, dtype, lambda s: np.empty(s, dtype))
 
 
 def accuracy(y: np.ndarray, t: np.ndarray, loss: str):
     """A closure counting the correct predictions of a batch: (hits, predictions)."""
     rows = y.shape[:-1]
-    hits = np.empty(rows if loss != "bce" and y.shape[-1] > 1 else y.shape, bool)
+    hits = _buffer("hits", rows if loss != "bce" and y.shape[-1] > 1 else y.shape, bool)
     if loss == "bce" or y.shape[-1] == 1:  # one probability per output
-        t2, above = t.reshape(y.shape), np.empty(y.shape, bool)
+        t2, above = t.reshape(y.shape), _buffer("above", y.shape, bool)
 
         def compare():
             np.greater(y, 0.5, out=hits)
             np.greater(t2, 0.5, out=above)
             np.equal(hits, above, out=hits)
     else:
-        predicted = np.empty(rows, np.intp)
+        predicted = _buffer("predicted", rows, np.intp)
         if loss == "sparse_cce":
             wanted = t.reshape(rows)
 
@@ -27,7 +36,7 @@ def accuracy(y: np.ndarray, t: np.ndarray, loss: str):
                 np.argmax(y, axis=-1, out=predicted)
                 np.equal(predicted, wanted, out=hits)
         else:
-            wanted = np.empty(rows, np.intp)
+            wanted = _buffer("wanted", rows, np.intp)
 
             def compare():
                 np.argmax(y, axis=-1, out=predicted)
@@ -43,7 +52,7 @@ def accuracy(y: np.ndarray, t: np.ndarray, loss: str):
 def _error(power: int):
     def metric(y: np.ndarray, t: np.ndarray, loss: str):
         """A closure summing |y - t|**power over a batch: (sum, elements)."""
-        t2, d = t.reshape(y.shape), np.empty_like(y)
+        t2, d = t.reshape(y.shape), _buffer("error", y.shape, y.dtype)
         ufunc = np.abs if power == 1 else np.square
 
         def step() -> tuple[float, int]:

@@ -13,6 +13,7 @@ from .data import batch_indices, check_values
 from .errors import UserError
 from .executor import Hooks, Memory, Plan, check_supported, compile_plan
 from .format.wof import write_wof
+from .kernels.workspace import sharing
 from .loss_scale import LossScale
 from .precision import Underflow
 from .metrics import HIGHER_IS_BETTER, METRICS, default_metric
@@ -90,6 +91,7 @@ class Trainer:
             raise UserError(None, f"--accum-steps must be at least 1, got {accum_steps}")
         self.accum_steps = accum_steps
         self._accum = np.zeros_like(self.memory.grads) if accum_steps > 1 else None
+        self._snapshot = np.empty_like(self.memory.params)  # the weights at an epoch's start
         self._accum_weight, self._accum_count = 0, 0
         self.epoch = 0
         self._plans: dict[int, Plan] = {}
@@ -143,8 +145,9 @@ class Trainer:
         """The metric's closure over the plan of `rows` rows."""
         if rows not in self._meters:
             plan = self._plan(rows)
-            self._meters[rows] = METRICS[self.metric](plan.outputs[0], plan.targets[0],
-                                                      self.loss_name)
+            with sharing(self.memory.workspace):
+                self._meters[rows] = METRICS[self.metric](plan.outputs[0], plan.targets[0],
+                                                          self.loss_name)
         return self._meters[rows]
 
     # -- training -----------------------------------------------------------------------------
@@ -234,12 +237,12 @@ class Trainer:
         rng = rng if rng is not None else Shuffler(seed)
         history = []
         while self.epoch < epochs:
-            snapshot = self.memory.params.copy()
+            np.copyto(self._snapshot, self.memory.params)
             try:
                 record = self._epoch_with_progress(xs, ts, shuffle, rng, progress)
             except Diverged as e:
                 if not np.all(np.isfinite(self.memory.params)):
-                    self.memory.params[...] = snapshot
+                    self.memory.params[...] = self._snapshot
                 raise UserError(None, f"training diverged in epoch {self.epoch + 1}: the loss "
                                       f"became {e.args[0]}; kept the last finite weights") from None
             if test_data:

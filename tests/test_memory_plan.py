@@ -221,3 +221,44 @@ def test_a_plan_outside_the_arena_is_refused(splits, tmp_path):
                        lambda meta: meta["memory"].update(arena=[0, 16]))
     with pytest.raises(UserError, match=r"mlp\.backprop\.circle: memory plan: .* does not fit"):
         Trainer(frozen, batch_size=4)
+
+
+# -- planned = held in every configuration the CLI allows ----------------------------------------
+
+FILES = {"mlp": ("digits_x", "digits_onehot"), "cnn": ("digits_images", "digits_onehot")}
+RUNS = {  # name: (model, split options, run options); the digits data have 1797 samples
+    "whole-data": ("mlp", {}, {}),
+    "test-set": ("mlp", {}, {"test_inputs": ["digits_x"], "test_targets": ["digits_onehot"]}),
+    "validation-split": ("mlp", {}, {"validation_split": 0.2}),
+    "partial-batch": ("mlp", {"batch_size": 7}, {}),
+    "accumulation": ("mlp", {"accum_steps": 3}, {"accum_steps": 3}),
+    "sgd": ("mlp", {"optimizer": "sgd"}, {}),
+    "budget": ("mlp", {"memory_budget": "100KB"}, {"validation_split": 0.2}),
+    "fp16-adaptive": ("mlp", {"precision": "fp16"}, {"loss_scale": "adaptive",
+                                                     "validation_split": 0.2}),
+    "fp16-weights-only": ("mlp", {"weight_dtype": "fp16"}, {"loss_scale": "dynamic"}),
+    "cnn-validation-split": ("cnn", {}, {"validation_split": 0.1}),
+    "cnn-fp16-accumulation": ("cnn", {"precision": "fp16", "accum_steps": 2},
+                              {"accum_steps": 2, "validation_split": 0.1}),
+}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_planned_peak_is_what_a_run_holds(tmp_path, name):
+    """`microtrain run` after `trainconf split` with the same batch size, optimizer
+    and accumulation: the run holds at most the planned peak, and at least 98% of
+    it, whatever test set, partial batches or loss scaling it uses."""
+    from microtrain import session
+    model, split_options, run_options = RUNS[name]
+    result = split(FIXTURES / f"{model}.tflite", tmp_path, **split_options)
+    x, t = (str(FIXTURES / f"{f}.npy") for f in FILES[model])
+    options = {k: [str(FIXTURES / f"{v[0]}.npy")] if k.startswith("test_") else v
+               for k, v in run_options.items()}
+    summary = session.run(frozen=str(result.frozen), inputs=[x], targets=[t], epochs=1,
+                          batch_size=split_options.get("batch_size", 32),
+                          optimizer=split_options.get("optimizer", "adam"), save="never",
+                          **options)
+    planned, held = result.memory["total"], summary["memory_bytes"]
+    assert 0.98 * planned <= held <= planned, (held, result.memory)
+    if "memory_budget" in split_options:
+        assert held <= 100_000

@@ -99,7 +99,7 @@ def _last_fitting(fits, lo: int, hi: int) -> int:
     return lo
 
 
-def fit_budget(make, g: Graph, budget: int, batch: int, optimizer: str):
+def fit_budget(make, g: Graph, budget: int, batch: int, optimizer: str, accum_steps: int = 1):
     """The largest choice whose planned peak fits `budget` bytes: its Built
     (make(choose) builds one choice) and a summary of the choice."""
     choices = stages(g)
@@ -108,7 +108,7 @@ def fit_budget(make, g: Graph, budget: int, batch: int, optimizer: str):
     def peak_of(i: int, k: int = 1) -> int:
         if (i, k) not in built:
             b = make(lambda graph: choices[i].choose(graph, k))
-            built[i, k] = b, b.peak(batch, optimizer)["total"]
+            built[i, k] = b, b.peak(batch, optimizer, accum_steps)["total"]
         return built[i, k][1]
     if peak_of(0) > budget:
         raise UserError(None, f"--memory-budget {budget} bytes: even the smallest trainable set "

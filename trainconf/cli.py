@@ -41,7 +41,11 @@ JSON_OPTION = click.option("--json", "as_json", is_flag=True,
 
 
 def estimate_options(fn):
-    """--optimizer and --batch-size: what a planned peak memory is estimated for."""
+    """--optimizer, --batch-size and --accum-steps: what a planned peak memory is
+    estimated for."""
+    fn = click.option("--accum-steps", type=click.IntRange(1), default=1, show_default=True,
+                      help="Batches accumulated per update in the memory estimate (more "
+                           "than 1 holds a second gradient vector), as microtrain run's.")(fn)
     fn = click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True,
                       help="Batch size of the memory estimate.")(fn)
     return click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adam",
@@ -53,14 +57,15 @@ def estimate_options(fn):
 @click.argument("model", type=MODEL)
 @estimate_options
 @JSON_OPTION
-def inspect_command(model: Path, as_json: bool, optimizer: str, batch_size: int):
+def inspect_command(model: Path, as_json: bool, optimizer: str, batch_size: int,
+                    accum_steps: int):
     """Show MODEL (.circle or .tflite): subgraphs, inputs and outputs (with a
     dynamic or fixed batch), every operator, constant tensors and totals; for a
     STEM.frozen.circle beside its .wof and backprop graph, the planned peak
     memory of a training step."""
     loaded = load_model(model)
     desc = describe(loaded)
-    memory = planned_memory(model, loaded, batch_size, optimizer)
+    memory = planned_memory(model, loaded, batch_size, optimizer, accum_steps)
     if memory:
         desc["memory"] = memory
     if as_json:

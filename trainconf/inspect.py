@@ -36,7 +36,8 @@ def describe(model: circle.ModelT) -> dict:
     }
 
 
-def planned_memory(path: Path, model: circle.ModelT, batch: int, optimizer: str) -> dict | None:
+def planned_memory(path: Path, model: circle.ModelT, batch: int, optimizer: str,
+                   accum_steps: int = 1) -> dict | None:
     """The planned peak of a training step for a frozen model written by
     `trainconf split` whose .wof and backprop graph lie beside it; else None."""
     files = {"frozen": Path(path), "wof": sibling(Path(path), ".wof"),
@@ -49,7 +50,8 @@ def planned_memory(path: Path, model: circle.ModelT, batch: int, optimizer: str)
         return None
     if list(scratch_points(batch)) != plan["kernel_scratch_measured_at"]:
         plan["kernel_scratch"] = measure_scratch(art, batch)  # exact at this batch
-    return peak(art, batch, optimizer, {name: f.stat().st_size for name, f in files.items()})
+    return peak(art, batch, optimizer, {name: f.stat().st_size for name, f in files.items()},
+                accum_steps)
 
 
 def _subgraph(model, s: int, sg) -> dict:

@@ -20,12 +20,14 @@ from math import prod
 
 import numpy as np
 
-from microtrain.arena import held_bytes, linear
+from microtrain.arena import START_ALIGN, held_bytes, linear
 from microtrain.artifacts import Artifacts
 from microtrain.executor import Hooks, Memory, _trained_spans, compile_plan, precision
 from microtrain.executor import _float as runtime_dtype
 from microtrain.graph import BATCH, Graph, concrete_shape
+from microtrain.kernels.workspace import sharing
 from microtrain.loss_scale import LossScale
+from microtrain.metrics import METRICS, default_metric
 from microtrain.optimizers import make_optimizer
 from microtrain.precision import Underflow
 
@@ -219,7 +221,10 @@ def measure_scratch(art: Artifacts, batch: int) -> list[int]:
     def at(n: int) -> int:
         mem = Memory(art, n)
         plan = compile_plan(art, mem, n, Hooks(art, LossScale(), Underflow()))
-        return held_bytes(plan, exclude=(mem, art)) + held_bytes(mem.workspace)
+        with sharing(mem.workspace):  # as the Trainer binds its metric
+            meter = METRICS[default_metric(art.training["loss"])](
+                plan.outputs[0], plan.targets[0], art.training["loss"])
+        return held_bytes((plan, meter), exclude=(mem, art)) + held_bytes(mem.workspace)
     return _fit(at, scratch_points(batch))
 
 
@@ -254,28 +259,36 @@ def _loaded_files(art: Artifacts, files: dict[str, int]) -> int:
     return sum(size for name, size in files.items() if kept[name])
 
 
-def peak(art: Artifacts, batch: int, optimizer: str, files: dict[str, int]) -> dict:
-    """The bytes a training step at `batch` rows with `optimizer` holds, by part.
-    `files` are the sizes of the three files ("frozen", "wof", "backprop")."""
+def peak(art: Artifacts, batch: int, optimizer: str, files: dict[str, int],
+         accum_steps: int = 1) -> dict:
+    """The bytes a training step at `batch` rows with `optimizer` (accumulating
+    `accum_steps` batches per update) holds, by part.  `files` are the sizes of
+    the three files ("frozen", "wof", "backprop")."""
     plan = art.links["memory"]
     stored = sum(w.size for w in art.weights.values())  # with the frozen rows of partial ones
     trained = sum(hi - lo for lo, hi in _trained_spans(art).values())
     half = precision(art)["weights"] == "fp16"
     parts = {
-        "arena": linear(plan["arena"], batch),
+        "arena": linear(plan["arena"], batch) + START_ALIGN,
         "kernel_scratch": linear(plan["kernel_scratch"], batch),
         "other_tensors": _own_arrays(art, batch),
-        "weights": 4 * stored + (4 * stored + 2 * trained if half else 0),
-        "gradients": 4 * trained,
+        # the fp32 master (with frozen rows), its copy at each epoch's start (restored if
+        # the run diverges) and, with fp16 weights, the working copy the graphs read
+        "weights": 4 * stored + 4 * trained + (4 * stored if half else 0),
+        # the step's gradients, and their running sum when accumulating
+        "gradients": 4 * trained * (2 if accum_steps > 1 else 1),
         "optimizer_state": optimizer_bytes(optimizer, trained),
         "constants": _constant_copies(art, half),
         "files": _loaded_files(art, files),
     }
-    return {"batch_size": batch, "optimizer": optimizer, **parts, "total": sum(parts.values())}
+    return {"batch_size": batch, "optimizer": optimizer, "accum_steps": accum_steps, **parts,
+            "total": sum(parts.values())}
 
 
 def peak_text(memory: dict) -> str:
     """One line: the total and its non-zero parts."""
     parts = ", ".join(f"{name.replace('_', ' ')} {memory[name]}" for name in PARTS if memory[name])
-    return (f"planned peak at batch {memory['batch_size']} with {memory['optimizer']}: "
-            f"{memory['total']} bytes ({parts})")
+    accumulating = f", accumulating {memory['accum_steps']} batches" \
+        if memory.get("accum_steps", 1) > 1 else ""
+    return (f"planned peak at batch {memory['batch_size']} with {memory['optimizer']}"
+            f"{accumulating}: {memory['total']} bytes ({parts})")

@@ -142,9 +142,10 @@ def split(model_path, out_dir=None, trainable: str = "all", loss: str | None = N
           reduction: str = "mean", freeze_bias: bool = False, precision: str = "fp32",
           weight_dtype: str | None = None, activation_dtype: str | None = None,
           grad_dtype: str | None = None, memory_budget: str | int | None = None,
-          optimizer: str = "adam", batch_size: int = 32) -> SplitResult:
+          optimizer: str = "adam", batch_size: int = 32, accum_steps: int = 1) -> SplitResult:
     """Write STEM.frozen.circle, STEM.wof and STEM.backprop.circle for MODEL.
-    The planned peak memory is estimated for `batch_size` and `optimizer`; with
+    The planned peak memory is estimated for `batch_size`, `optimizer` and
+    `accum_steps` (batches accumulated per update); with
     `memory_budget` (bytes, or a size such as "64KiB") what trains is chosen so
     that it fits (trainconf/budget.py) instead of by `trainable`."""
     model_path = Path(model_path)
@@ -163,8 +164,9 @@ def split(model_path, out_dir=None, trainable: str = "all", loss: str | None = N
                 raise UserError(None, "--memory-budget chooses what trains: leave out "
                                       "--trainable and --freeze-bias")
             graph = load_prepared(model_path, types)[1]
-            built, budget = fit_budget(make, graph, parse_size(memory_budget), batch_size, optimizer)
-        return write(built, model_path, out_dir, batch_size, optimizer, budget)
+            built, budget = fit_budget(make, graph, parse_size(memory_budget), batch_size,
+                                       optimizer, accum_steps)
+        return write(built, model_path, out_dir, batch_size, optimizer, budget, accum_steps)
     except UserError as e:
         if str(e).startswith(f"{model_path}:"):
             raise
@@ -181,9 +183,9 @@ class Built:
     art: Artifacts
     rows: dict[int, tuple[int, int]]
 
-    def peak(self, batch: int, optimizer: str) -> dict:
+    def peak(self, batch: int, optimizer: str, accum_steps: int = 1) -> dict:
         files = {"frozen": len(self.frozen), "wof": len(self.wof), "backprop": len(self.backprop)}
-        return peak(self.art, batch, optimizer, files)
+        return peak(self.art, batch, optimizer, files, accum_steps)
 
 
 def load_prepared(model_path: Path, types: dict):
@@ -265,7 +267,7 @@ def slice_rows(bp: Backprop, g: Graph, rows: dict, grad_dtype) -> None:
 
 
 def write(built: Built, model_path: Path, out_dir, batch_size: int, optimizer: str,
-          budget: dict | None) -> SplitResult:
+          budget: dict | None, accum_steps: int = 1) -> SplitResult:
     frozen_path, wof_path, backprop_path = output_paths(model_path, out_dir)
     frozen_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(frozen_path, built.frozen)
@@ -278,7 +280,7 @@ def write(built: Built, model_path: Path, out_dir, batch_size: int, optimizer: s
         lo, hi = built.rows.get(t, (0, shape[0] if shape else 1))
         info.append({"index": t, "name": art.forward.tensors[t].name, "shape": list(shape),
                      "rows": [lo, hi], "parameters": int(np.prod(shape[1:])) * (hi - lo)})
-    memory = built.peak(batch_size, optimizer)
+    memory = built.peak(batch_size, optimizer, accum_steps)
     if budget:
         memory["budget"] = budget
     return SplitResult(frozen_path, wof_path, backprop_path, info, len(art.backprop.ops),

@@ -8,12 +8,12 @@ arrays, see `full`).  From LARGE elements on, comparisons and arithmetic with a
 scalar are as fast or faster and np.clip with scalar bounds is the fastest
 clip, so large activations need no constant arrays as large as themselves.
 """
-from functools import cache, partial
+from functools import partial
 
 import numpy as np
 
 from . import kernel
-from .workspace import scratch
+from .workspace import kept, scratch
 
 # Fused activation code -> (lower, upper) clip bounds; 4 (TANH) is no clip.
 # Circle's ActivationFunctionType: 0 NONE, 1 RELU, 2 RELU_N1_TO_1, 3 RELU6, 4 TANH.
@@ -26,16 +26,19 @@ LARGE = 1 << 15
 CLIP_FROM = {1: 1 << 17, 2: LARGE, 3: LARGE}
 
 
-@cache
-def _full(shape, dtype, value):
-    a = np.full(shape, value, dtype)
-    a.flags.writeable = False
-    return a
-
-
 def full(like, value):
     """A shared read-only array shaped like `like`, filled with `value`."""
-    return _full(like.shape, like.dtype, value)
+    return filled(like.shape, like.dtype, value)
+
+
+def filled(shape, dtype, value):
+    """A read-only array of `shape` filled with `value`, shared by the kernels
+    of a workspace (and, as leading rows, by the steps of smaller batches)."""
+    def make(s):
+        a = np.full(s, value, dtype)
+        a.flags.writeable = False
+        return a
+    return kept(("filled", value), shape, dtype, make)
 
 
 def constant(like, value):
@@ -144,7 +147,7 @@ def row_sums(a2, sums):
     product with ones, ~3x faster than np.add.reduce(axis=1) on small rows."""
     if a2.dtype != sums.dtype:  # np.dot's out= must have the product's dtype
         return partial(np.add.reduce, a2, axis=1, keepdims=True, out=sums)
-    return partial(np.dot, a2, np.ones((a2.shape[1], 1), a2.dtype), out=sums)
+    return partial(np.dot, a2, filled((a2.shape[1], 1), a2.dtype, 1), out=sums)
 
 
 def row_exp(x2, beta, shifted, e, sums):

@@ -12,7 +12,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from . import kernel
 from .activations import noop, then_activate
-from .workspace import scratch
+from .workspace import kept, scratch
 
 SAME, VALID = 0, 1
 
@@ -119,14 +119,20 @@ class _Windows:
                 self.load()
                 np.copyto(cols6, self.view)
             return cols, gather
-        one = np.arange(self.buffer[0].size).reshape(1, *self.buffer.shape[1:])
-        index = self.windows(one).ravel()
+        index = kept(("windows", self.buffer.shape[1:], self.view.shape[1:],
+                      tuple(s // self.buffer.itemsize for s in self.view.strides[1:])),
+                     (self.view[0].size,), np.intp, self._window_index)
         per_image, images = self.buffer.reshape(n, -1), cols.reshape(n, -1)
 
         def gather_by_index():  # indices are in range: "wrap" only skips raise mode's checks
             self.load()
             np.take(per_image, index, axis=1, out=images, mode="wrap")
         return cols, gather_by_index
+
+    def _window_index(self, shape):
+        """Where each element of one image's windows lies in its (padded) image."""
+        one = np.arange(self.buffer[0].size).reshape(1, *self.buffer.shape[1:])
+        return self.windows(one).reshape(shape)
 
     def scatter(self, tap_grad):
         """A step setting the image to the sum over taps k of tap_grad(k), an

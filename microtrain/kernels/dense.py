@@ -8,7 +8,7 @@ from functools import partial
 import numpy as np
 
 from . import kernel
-from .activations import bind_activation
+from .activations import bind_activation, filled
 
 
 @kernel("FULLY_CONNECTED")
@@ -61,4 +61,4 @@ def bias_grad(inputs, outputs, **_):
     is ~3x faster than np.add.reduce over axis 0 on small batches)."""
     (dy,), (db,) = inputs, outputs
     dy2 = dy.reshape(-1, db.size)
-    return partial(np.dot, np.ones(dy2.shape[0], dy.dtype), dy2, out=db.reshape(-1))
+    return partial(np.dot, filled(dy2.shape[:1], dy.dtype, 1), dy2, out=db.reshape(-1))

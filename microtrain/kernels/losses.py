@@ -11,9 +11,22 @@ from math import prod
 import numpy as np
 
 from . import kernel
-from .activations import full, row_exp, row_sums, rows
+from .activations import filled, full, row_exp, row_sums, rows
+from .workspace import scratch
 
 EPSILON = 1e-7  # keras.config.epsilon(), the probability clip
+
+
+def _temp(like):
+    """Scratch shaped like `like`, for values computed anew in every call."""
+    return scratch(like.shape, like.dtype)
+
+
+def _per_rows(like, value):
+    """A factor that depends on the row count (a mean's 1/rows), as a scalar of
+    `like`'s type: a constant array would differ between the steps of full and
+    partial batches."""
+    return like.dtype.type(value)
 
 
 def _scale(y, reduction):
@@ -29,7 +42,7 @@ def _one_hot(t, y2):
     class ids (any numeric dtype) for the rows of y2, shaped [rows] or [rows, 1]."""
     labels = t.reshape(y2.shape[0], 1)
     classes = np.arange(y2.shape[1]).astype(t.dtype)
-    target = np.empty_like(y2)
+    target = _temp(y2)
     return partial(np.equal, labels, classes, out=target), target
 
 
@@ -38,7 +51,7 @@ def _clip(p, q, inside):
     the clip passes the gradient: EPSILON <= p <= 1 - EPSILON, as TF (built
     from minimum/maximum, whose gradients go to x on ties)."""
     lo, hi = full(p, EPSILON), full(p, 1 - EPSILON)
-    below = np.empty(p.shape, bool)
+    below = scratch(p.shape, bool)
 
     def step():
         np.greater_equal(p, lo, out=inside)
@@ -52,7 +65,7 @@ def _clip(p, q, inside):
 def _mse(y, t, out, dy, scale):
     """L = scale * sum((y-t)²) / C;  dy = 2 * scale * (y-t) / C."""
     k = scale / y.shape[-1]
-    t, diff, twice_k = t.reshape(y.shape), dy.reshape(-1), full(dy, 2 * k)
+    t, diff, twice_k = t.reshape(y.shape), dy.reshape(-1), _per_rows(dy, 2 * k)
 
     def step():
         np.subtract(y, t, out=dy)
@@ -64,7 +77,7 @@ def _mse(y, t, out, dy, scale):
 def _mae(y, t, out, dy, scale):
     """L = scale * sum(|y-t|) / C;  dy = scale * sign(y-t) / C."""
     k = scale / y.shape[-1]
-    t, diff = t.reshape(y.shape), np.empty_like(y)
+    t, diff = t.reshape(y.shape), _temp(y)
 
     def step():
         np.subtract(y, t, out=diff)
@@ -79,8 +92,8 @@ def _bce(y, t, out, dy, scale):
     dy = scale/C * inside * (q-t) / (q*(1-q))."""
     k = scale / y.shape[-1]
     t = t.reshape(y.shape)
-    q, rest, log_q = np.empty_like(y), np.empty_like(y), np.empty_like(y)
-    inside = np.empty(y.shape, bool)
+    q, rest, log_q = _temp(y), _temp(y), _temp(y)
+    inside = scratch(y.shape, bool)
     clip, one = _clip(y, q, inside), full(y, 1)
 
     def step():
@@ -104,9 +117,9 @@ def _cce(y, t, out, dy, scale):
     """p = y / sum(y), q = clip(p);  L = -scale * sum(t*log(q));  with
     g = t*inside/q (= -dL/dp per sample): dy = scale * (sum_c g*p - g) / sum(y)."""
     y2, t2, dy2 = rows(y), rows(t.reshape(y.shape)), rows(dy)
-    sums, dots = np.empty((y2.shape[0], 1), y.dtype), np.empty((y2.shape[0], 1), y.dtype)
-    p, q, g = np.empty_like(y2), np.empty_like(y2), np.empty_like(y2)
-    inside = np.empty(y2.shape, bool)
+    sums, dots = scratch((y2.shape[0], 1), y.dtype), scratch((y2.shape[0], 1), y.dtype)
+    p, q, g = _temp(y2), _temp(y2), _temp(y2)
+    inside = scratch(y2.shape, bool)
     clip, total, dot = _clip(p, q, inside), row_sums(y2, sums), row_sums(dy2, dots)
 
     def step():
@@ -131,9 +144,9 @@ def _sparse_cce(y, t, out, dy, scale):
     dy = scale * inside * (1/S - one_hot/q)."""
     y2, dy2 = rows(y), rows(dy)
     fill, target = _one_hot(t, y2)
-    q, log_q = np.empty_like(y2), np.empty_like(y2)
-    sums, log_sums = np.empty((y2.shape[0], 1), y.dtype), np.empty((y2.shape[0], 1), y.dtype)
-    inside = np.empty(y2.shape, bool)
+    q, log_q = _temp(y2), _temp(y2)
+    sums, log_sums = scratch((y2.shape[0], 1), y.dtype), scratch((y2.shape[0], 1), y.dtype)
+    inside = scratch(y2.shape, bool)
     clip, total = _clip(y2, q, inside), row_sums(q, sums)
 
     def step():
@@ -172,14 +185,14 @@ def _softmax_xent(z, t, out, dz, scale, beta, sparse):
     shape = (z2.shape[0], 1)
     if sparse:  # one class per row: T = 1
         prepare, target = _one_hot(t, z2)
-        totals = np.ones(shape, z.dtype)
+        totals = filled(shape, z.dtype, 1)
     else:
-        target, totals = rows(t.reshape(z.shape)), np.empty(shape, z.dtype)
+        target, totals = rows(t.reshape(z.shape)), scratch(shape, z.dtype)
         prepare = row_sums(target, totals)
-    sums, log_sums, weights = (np.empty(shape, z.dtype) for _ in range(3))
-    shifted = np.empty_like(z2)
+    sums, log_sums, weights = (scratch(shape, z.dtype) for _ in range(3))
+    shifted = _temp(z2)
     exps = row_exp(z2, beta, shifted, dz2, sums)  # logsumexp(a) = log(sums) + max(a)
-    k = full(dz2, beta * scale)
+    k = _per_rows(dz2, beta * scale)
 
     def step():
         prepare()
@@ -198,7 +211,7 @@ def _sigmoid_xent(z, t, out, dz, scale):
     L = scale/C * sum(softplus(z) - t*z);  dz = scale/C * (sigmoid(z) - t), with
     sigmoid(z) = exp(z - softplus(z)), both free of overflow."""
     k = scale / z.shape[-1]
-    t, softplus, zero = t.reshape(z.shape), np.empty_like(z), full(z, 0)
+    t, softplus, zero = t.reshape(z.shape), _temp(z), full(z, 0)
 
     def step():
         np.logaddexp(zero, z, out=softplus)
@@ -215,14 +228,14 @@ def _softmax_xent_from_output(z, t, y, out, dz, scale, beta, sparse):
     pass has computed already:  L = -scale * sum(t * log y);
     dz = beta * scale * (y*T - t).  Where y has underflowed to 0 at a target
     class, log y is -inf: that step takes the logits path instead."""
-    y2, dz2, logs = rows(y), rows(dz), np.empty_like(rows(y))
+    y2, dz2, logs = rows(y), rows(dz), _temp(rows(y))
     if sparse:
         prepare, target = _one_hot(t, y2)
         totals = None
     else:
-        target, totals = rows(t.reshape(y.shape)), np.empty((y2.shape[0], 1), y.dtype)
+        target, totals = rows(t.reshape(y.shape)), scratch((y2.shape[0], 1), y.dtype)
         prepare = row_sums(target, totals)
-    k = full(dz2, beta * scale)
+    k = _per_rows(dz2, beta * scale)
     from_logits = _softmax_xent(z, t, out, dz, scale, beta, sparse)
 
     def step():

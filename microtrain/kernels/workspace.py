@@ -8,8 +8,9 @@ overlap each other, different kernels' do, and the step's scratch costs the
 largest kernel's need instead of the sum over all kernels.
 
 Factories ask for temporaries with `scratch`; what must persist between calls
-(index arrays, constants) stays in arrays of their own.  Without a workspace in
-use (`sharing`), `scratch` gives arrays of their own too.
+(index arrays, constants) stays in arrays of their own, or, when the steps of
+other batch sizes can share it, comes from `kept`.  Without a workspace in use
+(`sharing`), both give arrays of their own.
 """
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -37,6 +38,7 @@ class Workspace:
         self.buffer = _aligned_bytes(size)
         self.need = 0  # the most bytes one kernel asked for
         self._offset = 0
+        self.kept: dict = {}  # see `kept`
 
     def begin(self) -> None:
         """Lay out the next kernel's temporaries from the buffer's start."""
@@ -82,6 +84,23 @@ def begin_kernel() -> None:
     workspace = _IN_USE.get()
     if workspace is not None:
         workspace.begin()
+
+
+def kept(key, shape, dtype, make) -> np.ndarray:
+    """An array that persists between calls, shared by the steps of every batch
+    size: `make(shape)` makes it (constants, index arrays, or temporaries of
+    closures that run outside the step, as the metrics) and the same `key` with
+    the same shape after the first axis gets the leading rows of the largest
+    one made, so the step of a partial batch holds no copy of its own."""
+    workspace = _IN_USE.get()
+    shape, dtype = tuple(shape), np.dtype(dtype)
+    if workspace is None:
+        return make(shape)
+    full_key = (key, len(shape), shape[1:], dtype)
+    base = workspace.kept.get(full_key)
+    if base is None or (shape and base.shape[0] < shape[0]):
+        base = workspace.kept[full_key] = make(shape)
+    return base[:shape[0]] if shape else base
 
 
 def scratch(shape, dtype) -> np.ndarray:
