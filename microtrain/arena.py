@@ -12,6 +12,7 @@ import types
 
 import numpy as np
 
+from .contracts import MemoryPlan
 from .errors import UserError
 from .graph import Graph, concrete_shape
 
@@ -27,9 +28,9 @@ def linear(form, batch: int) -> int:
 class Arena:
     """One zeroed byte buffer holding every planned tensor for `batch` rows."""
 
-    def __init__(self, plan: dict, batch: int, path=None):
+    def __init__(self, plan: MemoryPlan, batch: int, path=None):
         self.plan, self.batch, self.path = plan, batch, path
-        size = linear(plan["arena"], batch)
+        size = linear(plan.arena, batch)
         raw = np.zeros(size + START_ALIGN, np.uint8)
         start = -raw.ctypes.data % START_ALIGN
         self.bytes = raw[start:start + size]
@@ -39,7 +40,7 @@ class Arena:
         plan's list: "forward" or "backprop"); `dtype_of` maps a declared dtype to
         the runtime's."""
         views = {}
-        for t, a, c in self.plan[graph]:
+        for t, a, c in getattr(self.plan, graph):
             if not 0 <= t < len(g.tensors):
                 raise UserError(self.path, f"memory plan: {graph} tensor {t} does not exist")
             tensor = g.tensors[t]

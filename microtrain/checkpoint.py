@@ -5,25 +5,23 @@ A checkpoint is a zip archive that numpy reads as an .npz: `params.npy`, one
 The layout is documented in schemas/checkpoint.md.
 """
 import io
-import json
 import zipfile
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .atomic import atomic_write
+from .contracts import (CHECKPOINT_FORMAT, CheckpointMeta, LossScaleState, OptimizerState, RunState,
+                        ShufflerState)
 from .errors import UserError
 from .shuffle import Shuffler
 
-FORMAT = "microtrain-checkpoint"
-VERSION = 1
 _STATE_PREFIX = "optimizer/"
-# Bit generators a saved RNG state may name (numpy's own).
-# What reading a damaged archive, JSON document or .npy member can raise.
-_DAMAGE = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, KeyError,
-           TypeError, AttributeError)
+MAX_META_BYTES = 1 << 20  # meta.json is a few hundred bytes; adaptive scaling adds a few per layer
+# What reading a damaged archive or .npy member can raise.
+_DAMAGE = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, KeyError)
 
 
 @dataclass
@@ -36,9 +34,9 @@ class Checkpoint:
     epoch: int                              # epochs completed
     rng_state: dict                         # Shuffler.state(): {"seed", "draws"}
     model_sha256: str                       # sha256 of the frozen model file
-    loss_scale: dict = field(default_factory=dict)   # loss-scale state, JSON values
+    loss_scale: LossScaleState
+    run: RunState                           # the run's own values
     step: int = 0                           # training steps completed
-    extra: dict = field(default_factory=dict)        # the trainer's own JSON values
 
     def rng(self) -> Shuffler:
         """A Shuffler continuing from the saved state."""
@@ -50,19 +48,17 @@ def save_checkpoint(path, ckpt: Checkpoint) -> None:
     params = np.ascontiguousarray(ckpt.params, np.float32).reshape(-1)
     if not np.isfinite(params).all():
         raise ValueError("refusing to checkpoint non-finite parameters")
-    meta = {
-        "format": FORMAT, "version": VERSION, "model_sha256": ckpt.model_sha256,
-        "optimizer": {"name": ckpt.optimizer, "config": ckpt.optimizer_config,
-                      "iterations": int(ckpt.iterations),
-                      "state": sorted(ckpt.optimizer_state)},
-        "epoch": int(ckpt.epoch), "step": int(ckpt.step),
-        "rng_state": ckpt.rng_state, "loss_scale": ckpt.loss_scale, "extra": ckpt.extra,
-    }
+    meta = CheckpointMeta(
+        format=CHECKPOINT_FORMAT, version=CheckpointMeta.VERSION, model_sha256=ckpt.model_sha256,
+        optimizer=OptimizerState(ckpt.optimizer, ckpt.optimizer_config, int(ckpt.iterations),
+                                 sorted(ckpt.optimizer_state)),
+        epoch=int(ckpt.epoch), step=int(ckpt.step), rng_state=ShufflerState(**ckpt.rng_state),
+        loss_scale=ckpt.loss_scale, extra=ckpt.run)
     arrays = {"params": params,
               **{_STATE_PREFIX + k: np.asarray(v, np.float32) for k, v in ckpt.optimizer_state.items()}}
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as archive:
-        archive.writestr("meta.json", json.dumps(meta, indent=1))
+        archive.writestr("meta.json", meta.to_json())
         for name, array in arrays.items():
             with archive.open(name + ".npy", "w") as member:
                 np.lib.format.write_array(member, array, allow_pickle=False)
@@ -80,9 +76,8 @@ def load_checkpoint(path, expected_model_sha: str | None) -> Checkpoint:
             meta = _read_meta(path, archive)
             _check_model(path, meta, expected_model_sha)
             arrays = {name: _read_array(archive, name)
-                      for name in ["params", *(_STATE_PREFIX + k for k in meta["optimizer"]["state"])]}
+                      for name in ["params", *(_STATE_PREFIX + k for k in meta.optimizer.state)]}
         ckpt = _from_parts(meta, arrays)
-        ckpt.rng()   # a state that does not make a Shuffler is damage too
     except _DAMAGE as e:
         raise UserError(path, f"damaged checkpoint ({type(e).__name__}: {e})") from None
     params = ckpt.params
@@ -91,21 +86,18 @@ def load_checkpoint(path, expected_model_sha: str | None) -> Checkpoint:
     return ckpt
 
 
-def _read_meta(path: Path, archive: zipfile.ZipFile) -> dict:
+def _read_meta(path: Path, archive: zipfile.ZipFile) -> CheckpointMeta:
     if "meta.json" not in archive.namelist():
         raise UserError(path, "not a microtrain checkpoint (no meta.json)")
-    meta = json.loads(archive.read("meta.json"))
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise UserError(path, "not a microtrain checkpoint")
-    if meta.get("version") != VERSION:
-        raise UserError(path, f"checkpoint format version {meta.get('version')}; "
-                              f"this microtrain reads version {VERSION}")
-    return meta
+    member = archive.getinfo("meta.json")
+    if member.file_size > MAX_META_BYTES:
+        raise UserError(path, f"meta.json of {member.file_size} bytes: damaged checkpoint")
+    return CheckpointMeta.from_json(archive.read("meta.json"), path)
 
 
-def _check_model(path: Path, meta: dict, expected: str | None) -> None:
-    if expected is not None and meta["model_sha256"] != expected:
-        raise UserError(path, f"checkpoint of another model (sha256 {meta['model_sha256'][:12]}..., "
+def _check_model(path: Path, meta: CheckpointMeta, expected: str | None) -> None:
+    if expected is not None and meta.model_sha256 != expected:
+        raise UserError(path, f"checkpoint of another model (sha256 {meta.model_sha256[:12]}..., "
                               f"this model is {expected[:12]}...)")
 
 
@@ -114,17 +106,11 @@ def _read_array(archive: zipfile.ZipFile, name: str) -> np.ndarray:
         return np.lib.format.read_array(io.BytesIO(member.read()), allow_pickle=False)
 
 
-def _from_parts(meta: dict, arrays: dict[str, np.ndarray]) -> Checkpoint:
-    opt = meta["optimizer"]
-    counters = [opt["iterations"], meta["epoch"], meta["step"]]
-    if not all(isinstance(c, int) and c >= 0 for c in counters):
-        raise ValueError(f"counters must be whole numbers >= 0, got {counters}")
-    if set(meta["rng_state"]) != {"seed", "draws"}:
-        raise ValueError(f"the shuffler state has fields {sorted(meta['rng_state'])}, "
-                         "expected seed and draws")
+def _from_parts(meta: CheckpointMeta, arrays: dict[str, np.ndarray]) -> Checkpoint:
+    opt = meta.optimizer
     return Checkpoint(
-        params=arrays["params"], optimizer=opt["name"], optimizer_config=opt["config"],
-        optimizer_state={k: arrays[_STATE_PREFIX + k] for k in opt["state"]},
-        iterations=opt["iterations"], epoch=meta["epoch"], step=meta["step"],
-        rng_state=meta["rng_state"], model_sha256=meta["model_sha256"],
-        loss_scale=meta["loss_scale"], extra=meta["extra"])
+        params=arrays["params"], optimizer=opt.name, optimizer_config=opt.config,
+        optimizer_state={k: arrays[_STATE_PREFIX + k] for k in opt.state},
+        iterations=opt.iterations, epoch=meta.epoch, step=meta.step,
+        rng_state=meta.rng_state.to_dict(), model_sha256=meta.model_sha256,
+        loss_scale=meta.loss_scale, run=meta.extra)

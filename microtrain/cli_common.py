@@ -1,5 +1,6 @@
 """What both command lines share: bad input becomes one `Error: <file>: <problem>`
-line on stderr and exit status 1, never a traceback."""
+line on stderr and exit status 1, never a traceback.  This is the only place an
+error becomes text."""
 import json
 
 import click

@@ -31,10 +31,9 @@ def _check_kernels(g: Graph, path) -> None:
             raise UserError(path, f"operator {op.index} ({op.type}) is not supported by microtrain")
 
 
-def precision(art: Artifacts) -> dict:
+def precision(art: Artifacts):
     """The types of weights, activations and gradients chosen at split time."""
-    return art.training.get("precision", {"weights": "fp32", "activations": "fp32",
-                                          "gradients": "fp32"})
+    return art.training.precision
 
 
 class Memory:
@@ -50,17 +49,17 @@ class Memory:
     kernels' temporaries live in `workspace` (None: each kernel keeps its own)."""
 
     def __init__(self, art: Artifacts, batch: int):
-        self.half_weights = TYPES[precision(art)["weights"]] == HALF
+        self.half_weights = TYPES[precision(art).weights] == HALF
         working_views = self._lay_out_weights(art)
-        plan = art.links.get("memory") if art.backprop is not None else None
+        plan = art.links.memory if art.backprop is not None else None
         self.arena = Arena(plan, batch, art.backprop_path) if plan else None
         self.forward = self._allocate(art.forward, batch,
                                       {**self._planned(art.forward, "forward"), **working_views})
         self.backprop = None
         if art.backprop is not None:
             aliases = self._planned(art.backprop, "backprop")
-            aliases.update({b: self.forward[f] for b, f in art.links["forward"]})
-            aliases.update({g: self.grad_views[t] for g, t in art.links["gradients"]})
+            aliases.update({b: self.forward[f] for b, f in art.links.forward})
+            aliases.update({g: self.grad_views[t] for g, t in art.links.gradients})
             self.backprop = self._allocate(art.backprop, batch, aliases)
         self.workspace: Workspace | None = Workspace()
 
@@ -124,8 +123,8 @@ def _trained_spans(art: Artifacts) -> dict[int, tuple[int, int]]:
     """Trainable tensor -> the elements [lo, hi) of its flattened data that train:
     all, or the rows given in the training metadata.  Frozen rows can only lie
     before the first trained elements or after the last ones."""
-    rows = {int(t): r for t, r in art.training.get("rows", {}).items()}
-    trainable = list(art.training["trainable"])
+    rows = art.training.rows
+    trainable = art.training.trainable
     spans = {}
     for i, t in enumerate(trainable):
         w = art.weights[t]
@@ -176,7 +175,7 @@ class Hooks:
     def __init__(self, art: Artifacts, scaler: LossScale, underflow: Underflow):
         self.backprop, self.scaler, self.underflow = art.backprop, scaler, underflow
         # backprop tensor of each weight gradient -> the forward (weight) tensor
-        self.weight_grads = dict(art.links["gradients"]) if art.links else {}
+        self.weight_grads = dict(art.links.gradients) if art.links else {}
 
     def _counting(self, backprop: bool, t: int) -> tuple:
         """rounder() arguments that count gradient underflow (see Underflow)."""
@@ -225,12 +224,12 @@ def _compile(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
                 round_inputs + hooks.closures(art.forward, fwd, art.forward.ops), [], [])
     if art.backprop is not None:
         bp = _views(art.backprop, mem.backprop, rows)
-        plan.targets = [bp[i] for i in art.links["targets"]]
-        plan.loss = bp[art.links["loss"]]
+        plan.targets = [bp[i] for i in art.links.targets]
+        plan.loss = bp[art.links.loss]
         plan.backward = hooks.closures(art.backprop, bp, art.backprop.ops)
         # evaluation runs the loss operators alone (and their sum, with several outputs)
         loss_ops = [op for op in art.backprop.ops if op.type in ("Loss", "LogitsLoss")
-                    or art.links["loss"] in op.outputs]
+                    or art.links.loss in op.outputs]
         plan.loss_ops = [build(op.type, [bp[i] for i in op.inputs], [bp[i] for i in op.outputs],
                                **op.options) for op in loss_ops]
     return plan

@@ -182,7 +182,7 @@ class AdaptiveScale(DynamicScale):
                         for op in g.ops if op.type in LAYER_OPS + LOSS_OPS + ("ADD_N",)}
         self.source = self._scale_sources(g)
         self.scales: dict[int, float] = {}  # scale-setting tensor -> its total scale
-        self.grad_offsets = {grad: grad_offsets[w] for grad, w in art.links["gradients"]}
+        self.grad_offsets = {grad: grad_offsets[w] for grad, w in art.links.gradients}
 
     def _scale_sources(self, g: Graph) -> dict[int, int]:
         """For every gradient tensor, the tensor whose scale it carries: the output

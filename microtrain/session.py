@@ -6,6 +6,7 @@ import numpy as np
 
 from .atomic import atomic_write
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from .contracts import LossScaleState, RunState
 from .data import load_array, validation_split
 from .errors import UserError
 from .loss_scale import make_loss_scale
@@ -50,8 +51,9 @@ def _checkpoint_of(trainer: Trainer, rng: Shuffler, baseline: dict) -> Checkpoin
     return Checkpoint(params=trainer.memory.params.copy(), optimizer=trainer.optimizer_name,
                       optimizer_config=opt.config(), optimizer_state=opt.state(),
                       iterations=opt.iterations, epoch=trainer.epoch,
-                      rng_state=rng.state(), loss_scale=trainer.scaler.state(),
-                      model_sha256=trainer.art.frozen_sha256, extra={"baseline": baseline})
+                      rng_state=rng.state(),
+                      loss_scale=LossScaleState.from_dict(trainer.scaler.state(), None),
+                      model_sha256=trainer.art.frozen_sha256, run=RunState(baseline=baseline))
 
 
 def _resume(trainer: Trainer, path) -> tuple[dict, Shuffler]:
@@ -71,11 +73,15 @@ def _resume(trainer: Trainer, path) -> tuple[dict, Shuffler]:
         raise UserError(path, str(e)) from None
     trainer.optimizer.iterations = ckpt.iterations
     trainer.epoch = ckpt.epoch
-    if ckpt.loss_scale.get("kind") != trainer.scaler.kind:
-        raise UserError(path, f"was saved with loss scaling {ckpt.loss_scale.get('kind')!r}; "
+    if ckpt.loss_scale.kind != trainer.scaler.kind:
+        raise UserError(path, f"was saved with loss scaling {ckpt.loss_scale.kind!r}; "
                               f"this run uses {trainer.scaler.kind!r}")
-    trainer.scaler.load_state(ckpt.loss_scale)
-    return ckpt.extra["baseline"], ckpt.rng()
+    try:
+        trainer.scaler.load_state(ckpt.loss_scale.to_dict())
+    except (KeyError, ValueError, IndexError) as e:
+        raise UserError(path, f"does not fit this model's loss scaling ({e})",
+                        "meta.json: loss_scale") from None
+    return ckpt.run.baseline, ckpt.rng()
 
 
 def make_trainer(kw, with_backprop=True) -> Trainer:
@@ -130,7 +136,7 @@ def _save(trainer: Trainer, kw, baseline: dict, final: dict, history, judged_on:
     verdict = "improved" if improved else "did not improve"
     message = (f"{judged_on} {metric} {verdict}: {baseline[metric]:.4f} -> {final[metric]:.4f}; "
                + (f"weights written to {target}" if saved else "weights not written"))
-    return {"event": "summary", "epochs": trainer.epoch, "loss": trainer.art.training["loss"],
+    return {"event": "summary", "epochs": trainer.epoch, "loss": trainer.art.training.loss,
             "optimizer": trainer.optimizer_name, "metric": metric, "judged_on": judged_on,
             f"initial_{metric}": baseline[metric], f"final_{metric}": final[metric],
             "initial_loss": baseline["loss"], "final_loss": final["loss"],
@@ -144,7 +150,7 @@ def evaluate(**kw) -> dict:
     xs = load_data(kw["inputs"], kw.get("input_shapes", ()))
     ts = load_data(kw["targets"], kw.get("target_shapes", ()))
     result = trainer.evaluate(*trainer.check_data(xs, ts, (kw["inputs"], kw["targets"])))
-    return {"loss_function": trainer.art.training["loss"], **result}
+    return {"loss_function": trainer.art.training.loss, **result}
 
 
 def infer(**kw) -> dict:

@@ -74,7 +74,7 @@ class Trainer:
             raise UserError(None, f"--batch-size must be at least 1, got {batch_size}")
         self.batch_size = batch_size
         self.memory = Memory(self.art, batch_size)
-        self.loss_name = self.art.training["loss"]
+        self.loss_name = self.art.training.loss
         self.metric = metric or default_metric(self.loss_name)
         if self.metric not in METRICS:
             raise UserError(None, f"unknown metric {self.metric!r} (choose from {', '.join(METRICS)})")
@@ -167,7 +167,7 @@ class Trainer:
             self._update(self.memory.grads)
             return loss
         # the gradients of a mean loss are averaged over the effective batch's rows
-        weight = rows if self.art.training["reduction"] == "mean" else 1
+        weight = rows if self.art.training.reduction == "mean" else 1
         self._accum += self.memory.grads * np.float32(weight)
         self._accum_weight += weight
         self._accum_count += 1
@@ -179,7 +179,7 @@ class Trainer:
         """Apply accumulated gradients (at the end of an effective batch or epoch)."""
         if not self._accum_count:
             return
-        if self.art.training["reduction"] == "mean":
+        if self.art.training.reduction == "mean":
             self._accum /= np.float32(self._accum_weight)
         self._update(self._accum)
         self._accum[...] = 0

@@ -33,7 +33,7 @@ def first_step(frozen: Path, scale: str, x, y) -> tuple[float, float]:
     """On the first batch: the share of the first layer's kernel gradient lost
     (exact zeros) and grad_underflow over all gradient stores."""
     trainer = Trainer(frozen, loss_scale=make_loss_scale(scale))
-    grads = trainer.gradients([x[:32]], [y[:32]])[1][trainer.art.training["trainable"][0]]
+    grads = trainer.gradients([x[:32]], [y[:32]])[1][trainer.art.training.trainable[0]]
     lost = 1 - np.count_nonzero(grads) / grads.size
     return lost, trainer.underflow.take()["all"]
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from microtrain.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from microtrain.contracts import LossScaleState, RunState
 from microtrain.data import batch_indices
 from microtrain.errors import UserError
 from microtrain.optimizers import make_optimizer
@@ -19,8 +20,8 @@ def _checkpoint(opt, params, rng, epoch) -> Checkpoint:
     return Checkpoint(params=params.copy(), optimizer="nadam", optimizer_config=opt.config(),
                       optimizer_state=opt.state(), iterations=opt.iterations, epoch=epoch,
                       rng_state=rng.state(), model_sha256=SHA,
-                      loss_scale={"scale": 32768.0, "good_steps": 7}, step=opt.iterations,
-                      extra={"baseline": {"loss": 0.5}})
+                      loss_scale=LossScaleState("dynamic", 32768.0, 0, good_steps=7),
+                      step=opt.iterations, run=RunState(baseline={"loss": 0.5}))
 
 
 def _train_epoch(opt, params, rng, grads):
@@ -50,7 +51,7 @@ def test_round_trip(saved):
     for name, array in ckpt.optimizer_state.items():
         np.testing.assert_array_equal(back.optimizer_state[name], array)
     for field in ("optimizer", "optimizer_config", "iterations", "epoch", "step", "rng_state",
-                  "model_sha256", "loss_scale", "extra"):
+                  "model_sha256", "loss_scale", "run"):
         assert getattr(back, field) == getattr(ckpt, field), field
     np.testing.assert_array_equal(back.rng().permutation(20), ckpt.rng().permutation(20))
 
@@ -94,7 +95,8 @@ def _rewrite(path, meta_change=None, drop=None):
     meta = json.loads(members["meta.json"])
     if meta_change:
         meta_change(meta)
-    members["meta.json"] = json.dumps(meta).encode()
+    # "DEEP" stands for an array nested 5000 levels deep, which json.dumps cannot write
+    members["meta.json"] = json.dumps(meta).replace('"DEEP"', "[" * 5000 + "]" * 5000).encode()
     members.pop(drop, None)
     with zipfile.ZipFile(path, "w") as archive:
         for name, data in members.items():
@@ -112,7 +114,8 @@ def test_other_model_and_other_version(saved):
     assert _load_error(path, "ff" * 32) == (
         f"{path}: checkpoint of another model (sha256 5e5e5e5e5e5e..., this model is ffffffffffff...)")
     _rewrite(path, lambda m: m.update(version=2))
-    assert _load_error(path).endswith("checkpoint format version 2; this microtrain reads version 1")
+    assert _load_error(path) == (f"{path}: meta.json: version: version 2; "
+                                 "this microtrain reads version 1")
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -122,10 +125,18 @@ def test_other_model_and_other_version(saved):
      "not a microtrain checkpoint (no meta.json)"),
     (lambda p: _rewrite(p, lambda m: m.update(format="something else")), "not a microtrain checkpoint"),
     (lambda p: _rewrite(p, drop="optimizer/velocity.npy"), "damaged checkpoint (KeyError"),
-    (lambda p: _rewrite(p, lambda m: m.update(epoch=-1)), "counters must be whole numbers >= 0"),
+    (lambda p: _rewrite(p, lambda m: m.update(epoch=-1)), "meta.json: epoch: -1 is outside 0.."),
+    (lambda p: _rewrite(p, lambda m: m.update(epoch=1e6)), "meta.json: epoch: expected int, found 1000000.0"),
+    (lambda p: _rewrite(p, lambda m: m["optimizer"].update(iterations=True)),
+     "meta.json: optimizer.iterations: expected int, found true"),
     (lambda p: _rewrite(p, lambda m: m["rng_state"].update(bit_generator="os.system")),
-     "the shuffler state has fields ['bit_generator', 'draws', 'seed']"),
-    (lambda p: _rewrite(p, lambda m: m["rng_state"].update(draws="garbage")), "damaged checkpoint"),
+     "meta.json: rng_state.bit_generator: unknown field"),
+    (lambda p: _rewrite(p, lambda m: m["rng_state"].update(draws="garbage")),
+     'meta.json: rng_state.draws: expected int, found "garbage"'),
+    (lambda p: _rewrite(p, lambda m: m.update(extra=[[[]]] * 2)), "meta.json: extra: expected an object"),
+    (lambda p: _rewrite(p, lambda m: m.update(extra="DEEP")),
+     "meta.json: not valid JSON (nested 5001 levels deep)"),
+    (lambda p: _rewrite(p, lambda m: m.pop("loss_scale")), "meta.json: loss_scale: missing"),
 ])
 def test_damaged_files_are_user_errors(saved, damage, message):
     path, _ = saved

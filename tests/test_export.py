@@ -32,7 +32,7 @@ def _random_data(art, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     g, rng = art.forward, np.random.default_rng(seed)
     x = rng.standard_normal((n,) + g.tensors[g.inputs[0]].shape[1:]).astype(np.float32)
     out = g.tensors[g.outputs[0]].shape[1:]
-    if art.training["loss"] == "cce":
+    if art.training.loss == "cce":
         y = np.eye(out[-1], dtype=np.float32)[rng.integers(0, out[-1], n)]
     else:
         y = rng.uniform(0, 1, (n,) + out).astype(np.float32)
@@ -186,7 +186,7 @@ def test_round_trip_split_run_export_split_trains_on(name, suffix, trained, tmp_
     export(frozen, exported)
     again = split(exported, tmp_path / "again").frozen
     first, second = (load_artifacts(f, with_backprop=False) for f in (frozen, again))
-    names = [{a.forward.tensors[t].name: a.weights[t] for t in a.training["trainable"]}
+    names = [{a.forward.tensors[t].name: a.weights[t] for t in a.training.trainable}
              for a in (first, second)]
     assert list(names[0]) == list(names[1])
     for name, w in names[0].items():  # the trained weights, bit for bit

@@ -124,8 +124,8 @@ def test_some_output_channels_with_fp16_weights(tmp_path):
     x, t = data("cnn", 64)
     trainer.fit([x], [t], epochs=1)
     assert abs(trainer.memory_bytes() - result.memory["total"]) <= 0.1 * result.memory["total"]
-    kernel = trainer.art.training["trainable"][0]
-    lo = trainer.art.training["rows"][str(kernel)][0]
+    kernel = trainer.art.training.trainable[0]
+    lo = trainer.art.training.rows[kernel][0]
     working = trainer.memory.forward[kernel]
     np.testing.assert_array_equal(working, working.astype(np.float16))
     np.testing.assert_array_equal(trainer.memory.param_views[kernel][:lo],

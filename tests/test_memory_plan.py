@@ -57,9 +57,9 @@ def splits(tmp_path_factory):
 def _ranges(art, batch: int) -> tuple[dict, dict]:
     """(graph, tensor) -> its 4-byte words [lo, hi) in the arena at `batch`; and
     -> its bytes with each sample's share rounded up to the plan's alignment."""
-    ranges, sizes, align = {}, {}, art.links["memory"]["align"]
+    ranges, sizes, align = {}, {}, art.links.memory.align
     for graph, g in (("forward", art.forward), ("backprop", art.backprop)):
-        for t, a, c in art.links["memory"][graph]:
+        for t, a, c in getattr(art.links.memory, graph):
             tensor = g.tensors[t]
             itemsize = 4 if tensor.dtype.kind == "f" else tensor.dtype.itemsize
             shape = concrete_shape(tensor.shape, batch)
@@ -77,7 +77,7 @@ def replay(art, batch: int) -> int:
     write.  Returns the live bytes of the busiest step (a lower bound on the
     arena for these lives and this alignment)."""
     (ranges, sizes), links = _ranges(art, batch), art.links
-    alias = {b: f for b, f in links["forward"]}
+    alias = {b: f for b, f in links.forward}
     words = np.full(1 + max(hi for _, hi in ranges.values()), -1)
     version, lives, counter = {}, {}, itertools.count()
 
@@ -97,7 +97,7 @@ def replay(art, batch: int) -> int:
 
     for t in art.forward.inputs:
         write(("forward", t), 0)
-    for t in links["targets"]:
+    for t in links.targets:
         write(("backprop", t), 0)
     step = 0
     for graph, g in (("forward", art.forward), ("backprop", art.backprop)):
@@ -112,7 +112,7 @@ def replay(art, batch: int) -> int:
             for k in outs:
                 write(k, step, ins[0] if in_place else None)
     for k in [("forward", t) for t in art.forward.outputs] + \
-             [("backprop", t) for t in links["targets"] + [links["loss"]]]:
+             [("backprop", t) for t in links.targets + [links.loss]]:
         read(k, step + 1)
     live = np.zeros(step + 2, np.int64)
     for first, last, size in lives.values():
@@ -127,19 +127,19 @@ def test_no_tensor_is_overwritten_before_its_last_read(splits, model, trainable)
     for batch in (1, 5, 32):
         busiest = replay(art, batch)
         # greedy packing reaches the busiest step's live bytes (up to alignment)
-        assert busiest <= linear(art.links["memory"]["arena"], batch) <= 1.01 * busiest + 64
+        assert busiest <= linear(art.links.memory.arena, batch) <= 1.01 * busiest + 64
 
 
 def test_activations_below_the_trained_layers_are_not_kept(splits):
-    whole = load_artifacts(splits("mobilenetv2").frozen).links["memory"]["arena"]
-    last = load_artifacts(splits("mobilenetv2", trainable="last:1").frozen).links["memory"]["arena"]
+    whole = load_artifacts(splits("mobilenetv2").frozen).links.memory.arena
+    last = load_artifacts(splits("mobilenetv2", trainable="last:1").frozen).links.memory.arena
     assert linear(last, 32) < linear(whole, 32) / 3
 
 
 def test_a_reshape_shares_its_input_memory(splits):
     """cnn flattens its pooled features with a RESHAPE: both lie at one offset."""
     art = load_artifacts(splits("cnn").frozen)
-    offsets = {t: (a, c) for t, a, c in art.links["memory"]["forward"]}
+    offsets = {t: (a, c) for t, a, c in art.links.memory.forward}
     reshape = next(op for op in art.forward.ops if op.type == "RESHAPE")
     assert offsets[reshape.inputs[0]] == offsets[reshape.outputs[0]]
 

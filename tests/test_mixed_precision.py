@@ -28,7 +28,7 @@ def trainer(models, precision="fp16", scale="none", **kw) -> Trainer:
 
 
 def first_kernel(t: Trainer) -> int:
-    return t.art.training["trainable"][0]
+    return t.art.training.trainable[0]
 
 
 def test_fp16_without_scaling_loses_most_first_layer_gradients(models):

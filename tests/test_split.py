@@ -35,14 +35,14 @@ def test_split_every_fixture(model, trainable, tmp_path):
     assert result.backprop.read_bytes()[4:8] == b"CIR0"
     frozen, original = load_model(result.frozen), load_model(FIXTURES / f"{model}.tflite")
     assert len(frozen.subgraphs[0].tensors) == len(original.subgraphs[0].tensors)
-    for t in art.training["trainable"]:  # data cut out of the frozen model, kept in the .wof
+    for t in art.training.trainable:  # data cut out of the frozen model, kept in the .wof
         assert art.forward.tensors[t].data is None
         assert art.weights[t].shape == tuple(original.subgraphs[0].tensors[t].shape)
-    assert set(read_wof(result.wof, frozen)) == set(art.training["trainable"])
+    assert set(read_wof(result.wof, frozen)) == set(art.training.trainable)
     outputs = art.backprop.outputs
-    assert outputs[0] == art.links["loss"] and len(outputs) == 1 + len(art.training["trainable"])
+    assert outputs[0] == art.links.loss and len(outputs) == 1 + len(art.training.trainable)
     if trainable == "last:1":
-        assert len(art.training["trainable"]) == 2  # kernel and bias of the last weighted op
+        assert len(art.training.trainable) == 2  # kernel and bias of the last weighted op
 
 
 def test_dynamic_batch_flatten_is_folded(tmp_path):
@@ -82,7 +82,7 @@ def test_softmax_with_cross_entropy_uses_the_stable_logits_loss(tmp_path):
 def test_default_loss_and_its_record_in_the_frozen_model(model, expected, tmp_path):
     result = split(FIXTURES / f"{model}.tflite", tmp_path)
     assert result.loss == expected
-    assert load_artifacts(result.frozen, with_backprop=False).training["loss"] == expected
+    assert load_artifacts(result.frozen, with_backprop=False).training.loss == expected
 
 
 def test_trainable_by_name_and_freeze_bias(tmp_path):

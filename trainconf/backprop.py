@@ -14,8 +14,7 @@ from microtrain.graph import BATCH, Graph, Op, Tensor
 
 from .gradients import RULES
 
-LOSSES = ("cce", "sparse_cce", "bce", "mse", "mae")
-REDUCTIONS = ("mean", "sum")
+from microtrain.contracts import LOSSES, REDUCTIONS  # noqa: E402  (re-exported for the CLI)
 # A final activation whose logits the loss can use directly (stable gradient).
 LOGITS_OF = {"cce": "SOFTMAX", "sparse_cce": "SOFTMAX", "bce": "LOGISTIC"}
 FLOAT32 = np.dtype(np.float32)

@@ -62,7 +62,7 @@ def export(frozen, output, wof=None, weights: str = "fp32") -> ExportResult:
     model = load_model(frozen)
     for t, value in art.weights.items():
         set_constant(model, t, np.asarray(value, np.float32))
-    batch = art.training.get("batch", BATCH)
+    batch = art.training.batch
     restore_activations(model, batch)
     model.metadata = [m for m in model.metadata or () if m.name != TRAINING_META]
     if weights == "fp16":

@@ -45,11 +45,11 @@ def planned_memory(path: Path, model: circle.ModelT, batch: int, optimizer: str,
     if get_metadata(model, TRAINING_META) is None or not all(f.exists() for f in files.values()):
         return None
     art = load_artifacts(path)
-    plan = art.links.get("memory")
+    plan = art.links.memory
     if plan is None:
         return None
-    if list(scratch_points(batch)) != plan["kernel_scratch_measured_at"]:
-        plan["kernel_scratch"] = measure_scratch(art, batch)  # exact at this batch
+    if scratch_points(batch) != plan.kernel_scratch_measured_at:
+        plan.kernel_scratch = tuple(measure_scratch(art, batch))  # exact at this batch
     return peak(art, batch, optimizer, {name: f.stat().st_size for name, f in files.items()},
                 accum_steps)
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from microtrain.arena import START_ALIGN, held_bytes, linear
 from microtrain.artifacts import Artifacts
+from microtrain.contracts import GraphLinks, MemoryPlan
 from microtrain.executor import Hooks, Memory, _trained_spans, compile_plan, precision
 from microtrain.executor import _float as runtime_dtype
 from microtrain.graph import BATCH, Graph, concrete_shape
@@ -31,7 +32,6 @@ from microtrain.metrics import METRICS, default_metric
 from microtrain.optimizers import make_optimizer
 from microtrain.precision import Underflow
 
-VERSION = 1
 ALIGN = 8  # every runtime type's size divides it; wider alignment measured no faster
 IN_PLACE = ("RESHAPE", "SQUEEZE")  # their kernel does nothing when output and input share memory
 PARTS = ["arena", "kernel_scratch", "other_tensors", "weights", "gradients", "optimizer_state",
@@ -66,8 +66,8 @@ class _Steps:
     """When each tensor of the step is written and last read, keyed by
     (graph, index); backprop tensors linked to forward ones use the forward key."""
 
-    def __init__(self, links: dict):
-        self.alias = {b: f for b, f in links["forward"]}
+    def __init__(self, links: GraphLinks):
+        self.alias = dict(links.forward)
         self.first: dict = {}
         self.last: dict = {}
 
@@ -82,12 +82,12 @@ class _Steps:
         self.last[key] = max(self.last.get(key, step), step)
 
 
-def lifetimes(fwd: Graph, bp: Graph, links: dict) -> _Steps:
+def lifetimes(fwd: Graph, bp: Graph, links: GraphLinks) -> _Steps:
     steps = _Steps(links)
     end = len(fwd.ops) + len(bp.ops) + 1
     for t in fwd.inputs:
         steps.write(("forward", t), 0)
-    for t in links["targets"]:
+    for t in links.targets:
         steps.write(("backprop", t), 0)
     for offset, graph, g in ((1, "forward", fwd), (1 + len(fwd.ops), "backprop", bp)):
         for i, op in enumerate(g.ops):
@@ -98,15 +98,15 @@ def lifetimes(fwd: Graph, bp: Graph, links: dict) -> _Steps:
                 steps.write(steps.key(graph, t), offset + i)
     # read after the step: the metrics (outputs, targets) and the loss
     for key in [("forward", t) for t in fwd.outputs] + \
-               [("backprop", t) for t in links["targets"] + [links["loss"]]]:
+               [("backprop", t) for t in links.targets + [links.loss]]:
         steps.read(key, end)
     return steps
 
 
-def _step_tensors(fwd: Graph, bp: Graph, links: dict, trainable: list[int]) -> list[tuple]:
+def _step_tensors(fwd: Graph, bp: Graph, links: GraphLinks, trainable: list[int]) -> list[tuple]:
     """Keys of the tensors the arena may hold: neither constants nor weights nor
     weight gradients (those live in flat buffers) nor linked backprop tensors."""
-    linked = {b for b, _ in links["forward"]} | {g for g, _ in links["gradients"]}
+    linked = {b for b, _ in links.forward} | {g for g, _ in links.gradients}
     keys = [("forward", t.index) for t in fwd.tensors
             if t.data is None and t.index not in trainable]
     return keys + [("backprop", t.index) for t in bp.tensors
@@ -133,7 +133,7 @@ def _in_place(graphs: dict, steps: _Steps, planned: set) -> dict:
     return {k: find(k) for k in root}
 
 
-def needs(fwd: Graph, bp: Graph, links: dict, trainable: list[int]) -> list[Need]:
+def needs(fwd: Graph, bp: Graph, links: GraphLinks, trainable: list[int]) -> list[Need]:
     """The memory needs of the step's tensors whose size is linear in the batch
     size (any other keeps an array of its own)."""
     graphs = {"forward": fwd, "backprop": bp}
@@ -178,7 +178,7 @@ def pack(region: list[Need]) -> tuple[dict[int, int], int]:
     return {i: int(lo[i]) for i in range(len(region))}, int(hi.max(initial=0))
 
 
-def plan_memory(fwd: Graph, bp: Graph, links: dict, trainable: list[int]) -> dict:
+def plan_memory(fwd: Graph, bp: Graph, links: GraphLinks, trainable: list[int]) -> MemoryPlan:
     """The arena layout (schemas/memory.md); `kernel_scratch` is added by `measure_scratch`."""
     all_needs = needs(fwd, bp, links, trainable)
     fixed = [n for n in all_needs if not n.batch]
@@ -191,8 +191,9 @@ def plan_memory(fwd: Graph, bp: Graph, links: dict, trainable: list[int]) -> dic
         for i, n in enumerate(region):
             for graph, t in n.keys:
                 entries[graph].append([t] + form(at[i]))
-    return {"version": VERSION, "align": ALIGN, "arena": [per_sample, fixed_size],
-            "forward": sorted(entries["forward"]), "backprop": sorted(entries["backprop"])}
+    return MemoryPlan(version=MemoryPlan.VERSION, align=ALIGN, arena=(per_sample, fixed_size),
+                      forward=[tuple(e) for e in sorted(entries["forward"])],
+                      backprop=[tuple(e) for e in sorted(entries["backprop"])])
 
 
 # -- the bytes of a whole step ------------------------------------------------------------------
@@ -222,8 +223,8 @@ def measure_scratch(art: Artifacts, batch: int) -> list[int]:
         mem = Memory(art, n)
         plan = compile_plan(art, mem, n, Hooks(art, LossScale(), Underflow()))
         with sharing(mem.workspace):  # as the Trainer binds its metric
-            meter = METRICS[default_metric(art.training["loss"])](
-                plan.outputs[0], plan.targets[0], art.training["loss"])
+            meter = METRICS[default_metric(art.training.loss)](
+                plan.outputs[0], plan.targets[0], art.training.loss)
         return held_bytes((plan, meter), exclude=(mem, art)) + held_bytes(mem.workspace)
     return _fit(at, scratch_points(batch))
 
@@ -235,10 +236,10 @@ def optimizer_bytes(name: str, parameters: int) -> int:
 
 def _own_arrays(art: Artifacts, batch: int) -> int:
     """Bytes of the step's tensors left out of the arena (arrays of their own)."""
-    plan, graphs = art.links["memory"], {"forward": art.forward, "backprop": art.backprop}
-    placed = {(graph, t) for graph in graphs for t, *_ in plan[graph]}
+    plan, graphs = art.links.memory, {"forward": art.forward, "backprop": art.backprop}
+    placed = {(graph, t) for graph in graphs for t, *_ in getattr(plan, graph)}
     own = [graphs[graph].tensors[t] for graph, t in
-           _step_tensors(art.forward, art.backprop, art.links, art.training["trainable"])
+           _step_tensors(art.forward, art.backprop, art.links, art.training.trainable)
            if (graph, t) not in placed]
     return sum(prod(concrete_shape(t.shape, batch)) * runtime_dtype(t.dtype).itemsize for t in own)
 
@@ -264,13 +265,13 @@ def peak(art: Artifacts, batch: int, optimizer: str, files: dict[str, int],
     """The bytes a training step at `batch` rows with `optimizer` (accumulating
     `accum_steps` batches per update) holds, by part.  `files` are the sizes of
     the three files ("frozen", "wof", "backprop")."""
-    plan = art.links["memory"]
+    plan = art.links.memory
     stored = sum(w.size for w in art.weights.values())  # with the frozen rows of partial ones
     trained = sum(hi - lo for lo, hi in _trained_spans(art).values())
-    half = precision(art)["weights"] == "fp16"
+    half = precision(art).weights == "fp16"
     parts = {
-        "arena": linear(plan["arena"], batch) + START_ALIGN,
-        "kernel_scratch": linear(plan["kernel_scratch"], batch),
+        "arena": linear(plan.arena, batch) + START_ALIGN,
+        "kernel_scratch": linear(plan.kernel_scratch, batch),
         "other_tensors": _own_arrays(art, batch),
         # the fp32 master (with frozen rows), its copy at each epoch's start (restored if
         # the run diverges) and, with fp16 weights, the working copy the graphs read

@@ -1,13 +1,13 @@
 """`trainconf split`: cut the trainable weights out of a model into a .wof and
 generate its backpropagation graph."""
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from microtrain.artifacts import BACKPROP_META, TRAINING_META, Artifacts, fingerprint
+from microtrain.artifacts import Artifacts, fingerprint
 from microtrain.atomic import atomic_write
+from microtrain.contracts import GraphLinks, Precision, TrainingMeta
 from microtrain.errors import UserError
 from microtrain.format.model import buffer_array, load_model, model_to_bytes, set_metadata
 from microtrain.format.wof import wof_to_bytes
@@ -90,15 +90,15 @@ PRECISIONS = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16)}
 
 
 def resolve_precision(precision: str = "fp32", weight_dtype: str | None = None,
-                      activation_dtype: str | None = None, grad_dtype: str | None = None) -> dict:
-    """The preset, with any of the three types overridden: {"weights": "fp16", ...}."""
+                      activation_dtype: str | None = None, grad_dtype: str | None = None) -> Precision:
+    """The preset, with any of the three types overridden."""
     chosen = {"weights": weight_dtype, "activations": activation_dtype, "gradients": grad_dtype}
     for key, value in chosen.items():
         value = value or precision
         if value not in PRECISIONS:
             raise UserError(None, f"unknown {key} type {value!r} (choose fp32 or fp16)")
         chosen[key] = value
-    return chosen
+    return Precision(**chosen)
 
 
 def set_activation_dtype(model, g: Graph, dtype: np.dtype) -> None:
@@ -125,11 +125,10 @@ def cut_weights(model, trainable: list[int]) -> dict[int, np.ndarray]:
     return weights
 
 
-def _backprop_meta(bp: Backprop, frozen_bytes: bytes) -> dict:
-    return {"version": 1, "frozen_sha256": fingerprint(frozen_bytes),
-            "forward": sorted([b, f] for b, f in bp.forward_links.items()),
-            "targets": bp.targets, "loss": bp.loss,
-            "gradients": [[b, f] for b, f in bp.gradients]}
+def _graph_links(bp: Backprop, frozen_bytes: bytes) -> GraphLinks:
+    return GraphLinks(version=GraphLinks.VERSION, frozen_sha256=fingerprint(frozen_bytes),
+                      forward=sorted(bp.forward_links.items()), targets=list(bp.targets),
+                      loss=bp.loss, gradients=[(b, f) for b, f in bp.gradients])
 
 
 def output_paths(model_path: Path, out_dir: Path | None) -> tuple[Path, Path, Path]:
@@ -168,9 +167,7 @@ def split(model_path, out_dir=None, trainable: str = "all", loss: str | None = N
                                        optimizer, accum_steps)
         return write(built, model_path, out_dir, batch_size, optimizer, budget, accum_steps)
     except UserError as e:
-        if str(e).startswith(f"{model_path}:"):
-            raise
-        raise UserError(model_path, str(e)) from None
+        raise e.at(model_path) from None
 
 
 @dataclass
@@ -195,7 +192,7 @@ def load_prepared(model_path: Path, types: dict):
     g = graph_of(model)
     batch = make_batch_symbolic(model, g)
     g = fold(model, g)
-    set_activation_dtype(model, g, PRECISIONS[types["activations"]])
+    set_activation_dtype(model, g, PRECISIONS[types.activations])
     return model, g, batch
 
 
@@ -209,29 +206,26 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int) -> 
     loss = loss or default_loss(g)
     if loss not in LOSSES or reduction not in REDUCTIONS:
         raise UserError(None, f"unknown loss {loss!r} or reduction {reduction!r}")
-    grad_dtype = PRECISIONS[types["gradients"]]
+    grad_dtype = PRECISIONS[types.gradients]
     bp = build_backprop(g, weights, loss, reduction, grad_dtype)
     slice_rows(bp, g, rows, grad_dtype)
     arrays = cut_weights(model, weights)
-    training = {
-        "version": 1, "loss": loss, "reduction": reduction, "trainable": weights,
-        "precision": types, "batch": model_batch,
-        "stable_logits_loss": LOGITS_OF.get(loss) == g.producers()[g.outputs[0]].type
-        if g.outputs[0] in g.producers() else False,
-    }
-    if rows:
-        training["rows"] = {str(t): list(r) for t, r in rows.items()}
-    set_metadata(model, TRAINING_META, json.dumps(training).encode())
+    last = g.producers().get(g.outputs[0])
+    training = TrainingMeta(version=TrainingMeta.VERSION, loss=loss, reduction=reduction,
+                            trainable=list(weights), precision=types, batch=model_batch,
+                            stable_logits_loss=last is not None and LOGITS_OF.get(loss) == last.type,
+                            rows=dict(rows))
+    set_metadata(model, TrainingMeta.NAME, training.to_json())
     frozen_bytes = model_to_bytes(model)
     for t in weights:  # as the runtime reads the frozen model
         g.tensors[t].data = None
-    meta = _backprop_meta(bp, frozen_bytes)
-    meta["memory"] = plan_memory(g, bp.graph, meta, weights)
-    art = Artifacts(model_path, model_path, None, g, training, arrays, bp.graph, meta)
-    meta["memory"]["kernel_scratch"] = measure_scratch(art, batch_size)
-    meta["memory"]["kernel_scratch_measured_at"] = scratch_points(batch_size)
+    links = _graph_links(bp, frozen_bytes)
+    links.memory = plan_memory(g, bp.graph, links, weights)
+    art = Artifacts(model_path, model_path, None, g, training, arrays, bp.graph, links)
+    links.memory = replace(links.memory, kernel_scratch=tuple(measure_scratch(art, batch_size)),
+                           kernel_scratch_measured_at=scratch_points(batch_size))
     backprop_model = graph_to_model(bp.graph, "microtrain backprop graph",
-                                    {BACKPROP_META: json.dumps(meta).encode()})
+                                    {GraphLinks.NAME: links.to_json()})
     return Built(frozen_bytes, wof_to_bytes(len(g.tensors), arrays), model_to_bytes(backprop_model),
                  art, rows)
 
@@ -275,7 +269,7 @@ def write(built: Built, model_path: Path, out_dir, batch_size: int, optimizer: s
     atomic_write(backprop_path, built.backprop)
     art = built.art
     info = []
-    for t in art.training["trainable"]:
+    for t in art.training.trainable:
         shape = art.weights[t].shape
         lo, hi = built.rows.get(t, (0, shape[0] if shape else 1))
         info.append({"index": t, "name": art.forward.tensors[t].name, "shape": list(shape),
@@ -284,5 +278,5 @@ def write(built: Built, model_path: Path, out_dir, batch_size: int, optimizer: s
     if budget:
         memory["budget"] = budget
     return SplitResult(frozen_path, wof_path, backprop_path, info, len(art.backprop.ops),
-                       art.training["loss"], art.training["reduction"], art.training["precision"],
+                       art.training.loss, art.training.reduction, art.training.precision.to_dict(),
                        memory)
