@@ -110,7 +110,7 @@ def test_loss_scale_kinds_need_their_fields():
 
 def test_writing_an_invalid_record_fails_in_the_writer():
     with pytest.raises(ValueError, match="writing an invalid microtrain.training: loss"):
-        TrainingMeta(1, "hinge", "mean", [1], None, False).to_json()
+        TrainingMeta(1, "hinge", "mean", [1], None, -1, False).to_json()
 
 
 def test_an_error_raised_without_a_file_is_given_one_by_its_caller():
