@@ -19,3 +19,20 @@ def test_rejects_zero():
     from microtrain.threads import limit_blas_threads
     with pytest.raises(ValueError):
         limit_blas_threads(0)
+
+
+def test_share_of_cores_splits_the_cores_and_keeps_one_each():
+    from microtrain.threads import cores, share_of_cores
+    assert share_of_cores(1) == cores()
+    assert share_of_cores(cores()) == 1
+    assert share_of_cores(4 * cores()) == 1
+    assert 2 * share_of_cores(2) <= max(2, cores())
+
+
+def test_missing_threadpoolctl_says_how_to_install(monkeypatch):
+    from microtrain.errors import UserError
+    from microtrain.threads import limit_blas_threads
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # import now raises ImportError
+    with pytest.raises(UserError, match=r"needs threadpoolctl: pip install "
+                                        r"'trainconf-microtrain\[parallel\]'"):
+        limit_blas_threads(1)
