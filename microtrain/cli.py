@@ -176,6 +176,94 @@ def _progress(length: int, label: str):
     return click.progressbar(length=length, label=label, file=sys.stderr)
 
 
+# Options of `run` that a sweep takes as they are: the model, the data and how trials are
+# judged.  Every other option of `run` can be swept, except those the sweep replaces with its
+# own log and saving rule.
+SWEEP_FIXED = ("frozen", "wof", "backprop", "inputs", "input_shapes", "targets", "target_shapes",
+               "test_inputs", "test_targets", "validation_split", "metric", "output_wof", "as_json")
+SWEEP_REPLACES = ("checkpoint", "resume", "save")
+SWEEPABLE = [p for p in run.params
+             if isinstance(p, click.Option) and p.name not in SWEEP_FIXED + SWEEP_REPLACES]
+
+
+def _with_run_params(names):
+    """Give a command `run`'s own definitions of these parameters (stated once, in `run`)."""
+    def decorate(command: click.Command) -> click.Command:
+        command.params[:0] = [p for p in run.params if p.name in names]
+        return command
+    return decorate
+
+
+@_with_run_params(SWEEP_FIXED)
+@main.command()
+@click.option("--grid", "grid_texts", multiple=True, required=True,
+              help="Values to try, 'NAME=V1,V2,... NAME=LOW:HIGH ...' (repeatable): NAME is an "
+                   "option of `microtrain run` without its dashes; one value fixes it for every "
+                   "trial; LOW:HIGH is a range sampled log-uniformly (--random, --search tpe). "
+                   "Sweepable: " + ", ".join(p.opts[0][2:] for p in SWEEPABLE) + ".")
+@click.option("--random", "random_trials", type=click.IntRange(1),
+              help="Sample this many combinations (seeded by --seed) instead of the full grid.")
+@click.option("--search", type=click.Choice(["grid", "tpe"]), default="grid", show_default=True,
+              help="grid: every combination (or --random's sample); tpe: Optuna's model-based "
+                   "search of --trials trials, pruning hopeless ones after each epoch "
+                   "(optional extra [search]).")
+@click.option("--trials", type=click.IntRange(1), default=20, show_default=True,
+              help="Trials of --search tpe.")
+@click.option("--halving", is_flag=True,
+              help="Successive halving: every combination trains a few epochs, the better half "
+                   "goes on (from its checkpoint) to twice as many, until the full --epochs.")
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="Seed of the sampling and of every trial's data order (unless seed is swept).")
+@click.option("--jobs", default=1, show_default=True, type=click.IntRange(1),
+              help="Trials run at once, in worker processes, each with its share of the cores "
+                   "for BLAS (optional extra [parallel]).")
+@click.option("--log", type=click.Path(dir_okay=False),
+              help="The sweep's JSON Lines log; a sweep given an existing log resumes it. "
+                   "Default: STEM.sweep.jsonl beside the frozen model.")
+def sweep(grid_texts, random_trials, search, trials, halving, seed, jobs, log, **fixed):
+    """Train FROZEN with every combination of --grid (or a sample of them) from the same
+    starting weights and data order, rank the trials by the test metric, and write the best
+    trial's weights to the .wof if they beat the starting weights."""
+    from .sweep import RunOptions, Settings, Sweep, table
+    if random_trials and search == "tpe":
+        raise click.UsageError("give either --random N or --search tpe")
+    settings = Settings(search="random" if random_trials else search,
+                        trials=random_trials or trials, seed=seed, jobs=jobs, halving=halving,
+                        log=log)
+    as_json = fixed.pop("as_json")  # how the sweep prints, not how its trials run
+    job = Sweep(RunOptions(run, [p.name for p in SWEEPABLE]), fixed, grid_texts, settings)
+    if as_json:
+        summary = job.run(on_trial=print_json)
+        print_json(summary)
+    else:
+        summary = _sweep_with_progress(job)
+        click.echo(table(summary, [a.key for a in job.axes]))
+        click.echo(_sweep_message(summary))
+    if summary["best"] is None:
+        raise click.ClickException(f"no trial finished; see {job.log_path}")
+
+
+def _sweep_with_progress(job) -> dict:
+    if not sys.stderr.isatty():
+        return job.run()
+    with click.progressbar(length=job.expected_records(), label="trials", file=sys.stderr) as bar:
+        bar.update(len(job.log.trials))
+        return job.run(on_trial=lambda record: bar.update(1))
+
+
+def _sweep_message(summary: dict) -> str:
+    best = summary["best"]
+    if best is None:
+        return ""
+    on = f"{summary['judged_on']} {summary['metric']}"
+    verdict = (f"improved on the starting weights ({summary['initial']:.4f}); weights written "
+               f"to {summary['wof']}" if summary["saved"] else
+               f"did not improve on the starting weights ({summary['initial']:.4f}); "
+               f"weights not written")
+    return (f"best: trial {best['trial']}, {on} {best['value']:.4f}: {verdict}\n"
+            f"reproduce it from the starting weights:\n  {summary['command']}")
+
+
 @main.command(name="eval")
 @model_files
 @data_options

@@ -95,8 +95,8 @@ def make_trainer(kw, with_backprop=True) -> Trainer:
                    with_backprop=with_backprop, **_given(kw, OPTIMIZER_KEYS))
 
 
-def run(on_epoch=None, progress=None, **kw) -> dict:
-    """Train as `microtrain run`; returns the summary."""
+def prepare(kw) -> tuple[Trainer, list, list, tuple | None]:
+    """The trainer of a `run` and its checked training data and test set (None without one)."""
     trainer = make_trainer(kw)
     xs = load_data(kw["inputs"], kw.get("input_shapes", ()))
     ts = load_data(kw["targets"], kw.get("target_shapes", ()))
@@ -105,6 +105,12 @@ def run(on_epoch=None, progress=None, **kw) -> dict:
     if test:
         test = trainer.check_data(*test, (kw.get("test_inputs") or kw["inputs"],
                                           kw.get("test_targets") or kw["targets"]))
+    return trainer, xs, ts, test
+
+
+def run(on_epoch=None, progress=None, **kw) -> dict:
+    """Train as `microtrain run`; returns the summary."""
+    trainer, xs, ts, test = prepare(kw)
     judge = test or (xs, ts)
     if kw.get("resume"):
         if not kw.get("checkpoint"):

@@ -37,6 +37,10 @@ class Diverged(Exception):
     """The loss became NaN or infinite."""
 
 
+class TrainingDiverged(UserError):
+    """A training run stopped because its loss became NaN or infinite."""
+
+
 @dataclass
 class Totals:
     """Running sums over the batches of one pass through a data set.  The loss is
@@ -243,8 +247,9 @@ class Trainer:
             except Diverged as e:
                 if not np.all(np.isfinite(self.memory.params)):
                     self.memory.params[...] = self._snapshot
-                raise UserError(None, f"training diverged in epoch {self.epoch + 1}: the loss "
-                                      f"became {e.args[0]}; kept the last finite weights") from None
+                raise TrainingDiverged(None, f"training diverged in epoch {self.epoch + 1}: the "
+                                             f"loss became {e.args[0]}; kept the last finite "
+                                             "weights") from None
             if test_data:
                 result = self.evaluate(*test_data, checked=True)
                 record["test_loss"] = result["loss"]
