@@ -1,0 +1,64 @@
+"""Models we did not build (tests/fixtures/real/, sources in tests/fixtures/LICENSES.md): each is
+imported, inspected, split with several --trainable choices and trained two steps; before
+training, microtrain's outputs and loss equal the TFLite interpreter's on the original file."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ai_edge_litert.interpreter import Interpreter
+
+from litert_reference import interpreter_outputs, keras_loss
+from microtrain.format.model import load_model
+from microtrain.trainer import Trainer
+from trainconf.importer import import_tflite
+from trainconf.inspect import describe
+from trainconf.split import split
+
+REAL = Path(__file__).parent / "fixtures" / "real"
+MODELS = ["torch_small_cnn"]
+SPECS = ["last:1", "last:2", "all"]
+SAMPLES = 2
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def real(request, tmp_path_factory):
+    """(name, imported circle path, inputs, targets, interpreter outputs)."""
+    name = request.param
+    tflite = REAL / f"{name}.tflite"
+    out = tmp_path_factory.mktemp(name)
+    circle = out / f"{name}.circle"
+    import_tflite(tflite, circle)
+    interpreter = Interpreter(model_path=str(tflite))
+    rng = np.random.default_rng(0)
+    xs = [rng.random((SAMPLES, *d["shape"][1:]), dtype=np.float32)
+          for d in interpreter.get_input_details()]
+    ts = [np.eye(d["shape"][-1], dtype=np.float32)[rng.integers(0, d["shape"][-1], (SAMPLES, *d["shape"][1:-1]))]
+          for d in interpreter.get_output_details()]
+    return name, circle, xs, ts, interpreter_outputs(tflite, xs)
+
+
+def test_import_and_inspect(real):
+    name, circle, *_ = real
+    desc = describe(load_model(circle))
+    ops = desc["subgraphs"][0]["operators"]
+    assert ops and desc["totals"]["parameters"] > 0
+    assert all(op["training"] in ("gradient", "folded") for op in ops), \
+        [op["type"] for op in ops if op["training"] not in ("gradient", "folded")]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_split_and_train(real, spec, tmp_path):
+    name, circle, xs, ts, reference = real
+    files = split(circle, tmp_path, trainable=spec)
+    trainer = Trainer(files.frozen, batch_size=SAMPLES, optimizer="sgd", learning_rate=1e-3)
+    for mine, theirs in zip(trainer.predict(xs), reference):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5)
+    before = trainer.evaluate(xs, ts)["loss"]
+    assert before == pytest.approx(keras_loss(trainer.loss_name, reference, ts), rel=1e-5)
+    params = trainer.memory.params.copy()
+    history = trainer.fit(xs, ts, epochs=2, shuffle=False)  # one batch: two steps
+    after = trainer.evaluate(xs, ts)["loss"]
+    assert np.isfinite([r["loss"] for r in history] + [after]).all()
+    assert not np.array_equal(params, trainer.memory.params)
+    # two small gradient steps on one batch lower its loss, if the gradients are right
+    assert after < before
