@@ -123,7 +123,7 @@ def test_fused_activation_is_in_place(code, reference):
 
 def test_bad_options_raise():
     with pytest.raises(ValueError):
-        fused_activation(5)
+        fused_activation(6)
     with pytest.raises(ValueError):
         run("ActivationGrad", [np.ones(3), np.ones(3)], [(3,)], activation="gelu")
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from microtrain.errors import UserError
 from microtrain.format.model import save_model
 from microtrain.graph import Graph, Op, Tensor
 from microtrain.trainer import Trainer
@@ -143,6 +144,24 @@ def logistic_head(m: GraphMaker):
     return [x], [m.op("LOGISTIC", [b], (-1, 2))], (4,), "bce"
 
 
+def mobile_activations(m: GraphMaker):
+    """PRELU (alpha trains), HARD_SWISH, GELU (both forms), ELU, MAXIMUM/MINIMUM against computed
+    and constant operands, SQUARED_DIFFERENCE, EXP, SQRT, RSQRT, LOG, SQUARE, LOG_SOFTMAX."""
+    x = m.tensor((-1, 5))
+    a = m.op("FULLY_CONNECTED", [x, m.weight(6, 5), m.weight(6)], (-1, 6))
+    b = m.op("PRELU", [a, m.weight(6)], (-1, 6))
+    c = m.op("HARD_SWISH", [m.op("MUL", [b, m.tensor((1,), [3.0])], (-1, 6))], (-1, 6))
+    d = m.op("ELU", [m.op("GELU", [c], (-1, 6), approximate=True)], (-1, 6))
+    e = m.op("MINIMUM", [m.op("MAXIMUM", [d, m.op("GELU", [a], (-1, 6))], (-1, 6)),
+                         m.tensor((6,), RNG.uniform(0, 1, 6))], (-1, 6))
+    f = m.op("SQUARED_DIFFERENCE", [e, b], (-1, 6))
+    g = m.op("SQRT", [m.op("ADD", [m.op("EXP", [e], (-1, 6)), f], (-1, 6))], (-1, 6))
+    h = m.op("LOG", [m.op("ADD", [m.op("RSQRT", [g], (-1, 6)), m.op("SQUARE", [d], (-1, 6))],
+                          (-1, 6))], (-1, 6))
+    out = m.op("FULLY_CONNECTED", [h, m.weight(4, 6), m.weight(4)], (-1, 4))
+    return [x], [m.op("LOG_SOFTMAX", [out], (-1, 4))], (5,), "mse"
+
+
 def _targets(loss: str, out_shape, n: int) -> np.ndarray:
     if loss == "cce":
         return np.eye(out_shape[-1], dtype=np.float32)[RNG.integers(0, out_shape[-1], n)]
@@ -151,7 +170,8 @@ def _targets(loss: str, out_shape, n: int) -> np.ndarray:
     return RNG.uniform(0, 1, (n,) + tuple(out_shape[1:])).astype(np.float32)
 
 
-@pytest.mark.parametrize("build", [conv_block, elementwise, shape_ops, logistic_head])
+@pytest.mark.parametrize("build", [conv_block, elementwise, shape_ops, logistic_head,
+                                   mobile_activations])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_rule_gradients_match_torch(build, reduction, tmp_path):
     m = GraphMaker()
@@ -160,3 +180,15 @@ def test_rule_gradients_match_torch(build, reduction, tmp_path):
     x = RNG.normal(0, 1, (5,) + sample).astype(np.float32)
     t = _targets(loss, m.tensors[outputs[0]].shape, 5)
     check_gradients(path, tmp_path, x, t, loss, reduction)
+
+
+def test_sign_bit_activation_is_refused_in_one_line(tmp_path):
+    m = GraphMaker()
+    x = m.tensor((-1, 4))
+    a = m.op("FULLY_CONNECTED", [x, m.weight(3, 4)], (-1, 3), fused_activation_function=5)
+    out = m.op("FULLY_CONNECTED", [a, m.weight(2, 3)], (-1, 2))
+    path = m.save(tmp_path / "sign_bit.circle", [x], [out])
+    with pytest.raises(UserError, match=r"operator 0 \(FULLY_CONNECTED\) has fused activation 5 "
+                                        r"\(SIGN_BIT\), which has no gradient"):
+        split(path, tmp_path, loss="mse")
+    split(path, tmp_path, loss="mse", trainable="last:1")  # above it, training works

@@ -77,10 +77,18 @@ def run_op(op, v, g: Graph):
     if t == "SOFTMAX":
         return torch.softmax(x[0] * o.get("beta", 1.0), dim=-1)
     simple = {"RELU": torch.relu, "RELU6": lambda a: a.clamp(0, 6), "TANH": torch.tanh,
-              "LOGISTIC": torch.sigmoid, "LEAKY_RELU": lambda a: F.leaky_relu(a, o.get("alpha", 0.2))}
+              "LOGISTIC": torch.sigmoid, "LEAKY_RELU": lambda a: F.leaky_relu(a, o.get("alpha", 0.2)),
+              "HARD_SWISH": F.hardswish, "ELU": F.elu, "EXP": torch.exp, "LOG": torch.log,
+              "SQRT": torch.sqrt, "RSQRT": torch.rsqrt, "SQUARE": torch.square,
+              "GELU": lambda a: F.gelu(a, approximate="tanh" if o.get("approximate") else "none"),
+              "LOG_SOFTMAX": lambda a: torch.log_softmax(a, dim=-1)}
     if t in simple:
         return simple[t](x[0])
-    binary = {"ADD": torch.add, "SUB": torch.sub, "MUL": torch.mul, "DIV": torch.div}
+    if t == "PRELU":
+        return torch.where(x[0] >= 0, x[0], x[1] * x[0])
+    binary = {"ADD": torch.add, "SUB": torch.sub, "MUL": torch.mul, "DIV": torch.div,
+              "MAXIMUM": torch.maximum, "MINIMUM": torch.minimum,
+              "SQUARED_DIFFERENCE": lambda a, b: (a - b) ** 2}
     if t in binary:
         return act(binary[t](x[0], x[1]))
     if t == "CONCATENATION":

@@ -8,10 +8,17 @@ math of each operator is in schemas/backprop.md and microtrain/kernels.
 """
 import numpy as np
 
+from microtrain.errors import UserError
+
 # Fused activation codes (circle ActivationFunctionType) as ActivationGrad names.
 FUSED_NAMES = {1: "relu", 2: "relu_n1_to_1", 3: "relu6", 4: "tanh"}
+# Elementwise functions whose derivative the runtime computes from their output
+# (ActivationGrad) or from their input (ActivationInputGrad).
 ACTIVATION_OPS = {"RELU": "relu", "RELU6": "relu6", "RELU_N1_TO_1": "relu_n1_to_1",
-                  "TANH": "tanh", "LOGISTIC": "logistic", "LEAKY_RELU": "leaky_relu"}
+                  "TANH": "tanh", "LOGISTIC": "logistic", "LEAKY_RELU": "leaky_relu",
+                  "ELU": "elu", "EXP": "exp", "SQRT": "sqrt", "RSQRT": "rsqrt"}
+INPUT_ACTIVATION_OPS = {"HARD_SWISH": "hard_swish", "GELU": "gelu", "LOG": "log",
+                        "SQUARE": "square"}
 CONV_OPTIONS = ("padding", "stride_w", "stride_h", "dilation_w_factor", "dilation_h_factor")
 POOL_OPTIONS = ("padding", "stride_w", "stride_h", "filter_width", "filter_height")
 
@@ -35,8 +42,9 @@ def through_fused(b, op, dy):
     code = op.options.get("fused_activation_function", 0)
     if code == 0:
         return dy
-    if code not in FUSED_NAMES:
-        raise NotImplementedError(f"fused activation {code}")
+    if code not in FUSED_NAMES:  # 5, SIGN_BIT: a step function, zero slope wherever defined
+        raise UserError(None, f"operator {op.index} ({op.type}) has fused activation "
+                              f"{code} (SIGN_BIT), which has no gradient")
     y = b.forward(op.outputs[0])
     return b.emit("ActivationGrad", [dy, y], like=op.outputs[0], activation=FUSED_NAMES[code])
 
@@ -192,3 +200,50 @@ def batch_matmul(b, op, dy, needs):
         full = b.emit("BATCH_MATMUL", pair[0], shape=batch + b.fwd.tensors[w].shape[-2:], **pair[1])
         grads[1] = b.sum_to(full, w)
     return grads
+
+
+@rule(*INPUT_ACTIVATION_OPS)
+def input_activation(b, op, dy, needs):
+    extra = {"approximate": bool(op.options.get("approximate"))} if op.type == "GELU" else {}
+    return [b.emit("ActivationInputGrad", [dy, b.forward(op.inputs[0])], like=op.inputs[0],
+                   activation=INPUT_ACTIVATION_OPS[op.type], **extra)]
+
+
+@rule("PRELU")
+def prelu(b, op, dy, needs):
+    x, alpha = op.inputs
+    grads = [None, None]
+    if needs[0]:
+        grads[0] = b.emit("PReluInputGrad", [dy, b.forward(x), b.forward(alpha)], like=x)
+    if needs[1]:
+        grads[1] = b.emit("PReluAlphaGrad", [dy, b.forward(x)], like=alpha)
+    return grads
+
+
+@rule("SQUARED_DIFFERENCE")
+def squared_difference(b, op, dy, needs):
+    # y = (a - b)²: da = 2(a - b)·dy, db = -da
+    x, w = op.inputs
+    diff = b.emit("SUB", [b.forward(x), b.forward(w)], like_tensor=dy)
+    product = b.emit("MUL", [dy, diff], like_tensor=dy)
+    twice = b.emit("ADD", [product, product], like_tensor=dy)
+    grads = [None, None]
+    if needs[0]:
+        grads[0] = b.sum_to(twice, x)
+    if needs[1]:
+        grads[1] = b.sum_to(b.emit("NEG", [twice], like_tensor=dy), w)
+    return grads
+
+
+@rule("MAXIMUM", "MINIMUM")
+def pick(b, op, dy, needs):
+    operands = [b.forward(t) for t in op.inputs]
+    return [b.sum_to(b.emit("PickGrad", [dy, *operands], like_tensor=dy, op=op.type.lower(),
+                            operand=i), t) if need else None
+            for i, (t, need) in enumerate(zip(op.inputs, needs))]
+
+
+@rule("LOG_SOFTMAX")
+def log_softmax(b, op, dy, needs):
+    y = b.forward(op.outputs[0])
+    return [b.emit("LogSoftmaxGrad", [dy, y], like=op.inputs[0])]

@@ -2,7 +2,8 @@
 from microtrain.errors import UserError
 from microtrain.graph import Graph, Op
 
-WEIGHTED = {"FULLY_CONNECTED", "CONV_2D", "DEPTHWISE_CONV_2D"}
+# Operators whose input 1 (and 2, a bias, if any) are weights; PRELU's input 1 is its alpha.
+WEIGHTED = {"FULLY_CONNECTED", "CONV_2D", "DEPTHWISE_CONV_2D", "PRELU"}
 
 
 def weighted_ops(g: Graph) -> list[Op]:
@@ -35,8 +36,8 @@ def select_trainable(g: Graph, spec: str, freeze_bias: bool = False) -> list[int
     """Trainable tensor indices in execution order."""
     ops = weighted_ops(g)
     if not ops:
-        raise UserError(None, "the model has no weighted operator (FULLY_CONNECTED, CONV_2D, "
-                              "DEPTHWISE_CONV_2D) with constant weights to train")
+        raise UserError(None, f"the model has no weighted operator ({', '.join(sorted(WEIGHTED))}) "
+                              "with constant weights to train")
     if spec == "all":
         chosen = [t for op in ops for t in _weights_of(op, freeze_bias)]
     elif spec.startswith("last:"):

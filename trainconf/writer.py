@@ -16,7 +16,10 @@ BUILTIN_OPTIONS = {"RESHAPE": "ReshapeOptions", "SLICE": "SliceOptions",
                    "FULLY_CONNECTED": "FullyConnectedOptions", "SOFTMAX": "SoftmaxOptions",
                    "CONCATENATION": "ConcatenationOptions", "PAD": "PadOptions",
                    "MEAN": "ReducerOptions", "SQUEEZE": "SqueezeOptions",
-                   "LEAKY_RELU": "LeakyReluOptions"}
+                   "LEAKY_RELU": "LeakyReluOptions", "HARD_SWISH": "HardSwishOptions",
+                   "GELU": "GeluOptions", "EXP": "ExpOptions", "LOG_SOFTMAX": "LogSoftmaxOptions",
+                   "MAXIMUM": "MaximumMinimumOptions", "MINIMUM": "MaximumMinimumOptions",
+                   "SQUARED_DIFFERENCE": "SquaredDifferenceOptions"}
 TENSOR_TYPES = {np.dtype(np.float32): circle.TensorType.FLOAT32,
                 np.dtype(np.float16): circle.TensorType.FLOAT16,
                 np.dtype(np.int32): circle.TensorType.INT32,

@@ -15,11 +15,12 @@ import numpy as np
 from . import kernel
 from .workspace import kept, scratch
 
-# Fused activation code -> (lower, upper) clip bounds; 4 (TANH) is no clip.
-# Circle's ActivationFunctionType: 0 NONE, 1 RELU, 2 RELU_N1_TO_1, 3 RELU6, 4 TANH.
+# Fused activation code -> (lower, upper) clip bounds; 4 (TANH) and 5
+# (SIGN_BIT) are no clips.  Circle's ActivationFunctionType: 0 NONE, 1 RELU,
+# 2 RELU_N1_TO_1, 3 RELU6, 4 TANH, 5 SIGN_BIT.
 CLIPS = {1: (0, None), 2: (-1, 1), 3: (0, 6)}
-TANH = 4
-CODES = {0, TANH, *CLIPS}
+TANH, SIGN_BIT = 4, 5
+CODES = {0, TANH, SIGN_BIT, *CLIPS}
 LARGE = 1 << 15
 # Elements from which np.clip beats maximum/minimum against full bounds (a
 # maximum against zeros alone stays faster up to ~128K elements).
@@ -62,6 +63,8 @@ def activation_step(code, x, y):
         return noop if x is y else partial(np.copyto, y, x)
     if code == TANH:
         return partial(np.tanh, x, out=y)
+    if code == SIGN_BIT:
+        return _sign_bit(x, y)
     _check(code)
     lo, hi = CLIPS[code]
     if y.size >= CLIP_FROM[code]:
@@ -75,6 +78,16 @@ def activation_step(code, x, y):
         lower()
         np.minimum(y, upper, out=y)
     return clip
+
+
+def _sign_bit(x, y):
+    """y = 1 where x's sign bit is set (x < 0, or -0), else 0: TFLite's SIGN_BIT."""
+    negative = scratch(y.shape, bool)
+
+    def step():
+        np.signbit(x, out=negative)
+        np.copyto(y, negative)
+    return step
 
 
 def bind_activation(code, y):
@@ -244,7 +257,28 @@ def _leaky_relu_grad(dy, y, dx, alpha):
     return step
 
 
+def _elu_slope(y, t, one):
+    """t = 1 where y > 0 else y + 1 (= exp(x)), ELU's derivative from its output."""
+    np.add(y, one, out=t)
+    np.minimum(t, one, out=t)
+
+
+def _sqrt_slope(y, t, one):
+    """t = 1 / (2y), sqrt's derivative from its output."""
+    np.add(y, y, out=t)
+    np.divide(one, t, out=t)
+
+
+def _rsqrt_slope(y, t, one):
+    """t = -y³/2, the derivative of 1/sqrt(x) from its output."""
+    np.multiply(y, y, out=t)
+    np.multiply(t, y, out=t)
+    np.multiply(t, -0.5, out=t)
+
+
 _BOUNDED = {"relu_n1_to_1": CLIPS[2], "relu6": CLIPS[3]}
+_SLOPES = {"tanh": _tanh_slope, "logistic": _logistic_slope, "elu": _elu_slope,
+           "sqrt": _sqrt_slope, "rsqrt": _rsqrt_slope}
 
 
 @kernel("ActivationGrad")
@@ -255,10 +289,10 @@ def activation_grad(inputs, outputs, activation="relu", alpha=0.0, **_):
         return _relu_grad(dy, y, dx)
     if activation in _BOUNDED:
         return _clip_grad(dy, y, dx, *_BOUNDED[activation])
-    if activation == "tanh":
-        return _slope_grad(dy, y, dx, _tanh_slope)
-    if activation == "logistic":
-        return _slope_grad(dy, y, dx, _logistic_slope)
+    if activation in _SLOPES:
+        return _slope_grad(dy, y, dx, _SLOPES[activation])
+    if activation == "exp":
+        return partial(np.multiply, dy, y, out=dx)
     if activation == "leaky_relu":
         return _leaky_relu_grad(dy, y, dx, alpha)
     raise ValueError(f"ActivationGrad: unsupported activation {activation!r}")
@@ -279,4 +313,207 @@ def softmax_grad(inputs, outputs, beta=1.0, **_):
         np.multiply(dx2, y2, out=dx2)
         if beta != 1:
             np.multiply(dx2, beta, out=dx2)
+    return step
+
+
+# -- activations beyond the fused ones ------------------------------------------------------------
+
+@kernel("HARD_SWISH")
+def hard_swish(inputs, outputs, **_):
+    """y = x * relu6(x + 3) / 6, in TFLite's order of operations."""
+    (x,), (y,) = inputs, outputs
+
+    def step():
+        np.add(x, 3.0, out=y)
+        np.clip(y, 0.0, 6.0, out=y)
+        np.multiply(y, x, out=y)
+        np.divide(y, 6.0, out=y)
+    return step
+
+
+@kernel("ELU")
+def elu(inputs, outputs, **_):
+    """y = x where x > 0 else exp(x) - 1, as expm1(min(x, 0)) + max(x, 0)."""
+    (x,), (y,) = inputs, outputs
+    positive_part = scratch(y.shape, y.dtype)
+
+    def step():
+        np.minimum(x, 0.0, out=y)
+        np.expm1(y, out=y)
+        np.maximum(x, 0.0, out=positive_part)
+        np.add(y, positive_part, out=y)
+    return step
+
+
+# erfc(z) for z >= 0 as t*exp(-z² + P(t)), t = 1/(1 + z/2), P the degree-9 polynomial
+# of these coefficients (Numerical Recipes' erfcc): relative error below 1.2e-7
+# everywhere, float32's resolution.  numpy has no erf of its own.
+_ERFC = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
+         0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277)
+_SQRT_HALF = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+_TANH_GELU = (0.7978845608028654, 0.044715)  # sqrt(2/pi), the cubic's coefficient
+
+
+def _normal_cdf(x, cdf):
+    """A step writing cdf = Φ(x) = erfc(-x/√2)/2, the standard normal CDF."""
+    t, poly, upper = scratch(x.shape, x.dtype), scratch(x.shape, x.dtype), scratch(x.shape, bool)
+
+    def step():
+        np.abs(x, out=t)
+        np.multiply(t, _SQRT_HALF / 2, out=t)
+        np.add(t, 1.0, out=t)
+        np.reciprocal(t, out=t)  # t = 1/(1 + z/2), z = |x|/√2
+        np.multiply(t, _ERFC[-1], out=poly)
+        for c in _ERFC[-2:0:-1]:  # Horner's scheme
+            np.add(poly, c, out=poly)
+            np.multiply(poly, t, out=poly)
+        np.add(poly, _ERFC[0], out=poly)
+        np.multiply(x, x, out=cdf)
+        np.multiply(cdf, 0.5, out=cdf)  # z²
+        np.subtract(poly, cdf, out=cdf)
+        np.exp(cdf, out=cdf)
+        np.multiply(cdf, t, out=cdf)  # erfc(z)
+        np.multiply(cdf, 0.5, out=cdf)  # Φ(-|x|)
+        np.greater(x, 0.0, out=upper)
+        np.subtract(1.0, cdf, out=cdf, where=upper)
+    return step
+
+
+def _tanh_gelu_inner(x, th):
+    """A step writing th = tanh(√(2/π)·(x + 0.044715·x³))."""
+    a, b = _TANH_GELU
+
+    def step():
+        np.multiply(x, x, out=th)
+        np.multiply(th, b, out=th)
+        np.add(th, 1.0, out=th)
+        np.multiply(th, x, out=th)
+        np.multiply(th, a, out=th)
+        np.tanh(th, out=th)
+    return step
+
+
+@kernel("GELU")
+def gelu(inputs, outputs, approximate=False, **_):
+    """y = x·Φ(x) (exact, Φ the normal CDF), or with approximate
+    y = x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))/2."""
+    (x,), (y,) = inputs, outputs
+    inner = _tanh_gelu_inner(x, y) if approximate else _normal_cdf(x, y)
+
+    def step():
+        inner()
+        if approximate:
+            np.add(y, 1.0, out=y)
+            np.multiply(y, 0.5, out=y)
+        np.multiply(y, x, out=y)
+    return step
+
+
+@kernel("LOG_SOFTMAX")
+def log_softmax(inputs, outputs, **_):
+    """y = x - max(x) - log(sum(exp(x - max(x)))) over the last axis."""
+    (x,), (y,) = inputs, outputs
+    y2 = rows(y)
+    sums = scratch((y2.shape[0], 1), y.dtype)
+    exps = scratch(y2.shape, y.dtype)
+    shift = row_exp(rows(x), 1, y2, exps, sums)
+
+    def step():
+        shift()
+        np.log(sums, out=sums)
+        np.subtract(y2, sums, out=y2)
+    return step
+
+
+def _hard_swish_slope(x, t, **_):
+    """A step writing t = 0 for x <= -3, 1 for x >= 3, else x/3 + 1/2 (PyTorch's
+    choice at the kinks)."""
+    mask = scratch(x.shape, bool)
+
+    def step():
+        np.multiply(x, 1 / 3, out=t)
+        np.add(t, 0.5, out=t)
+        np.less_equal(x, -3.0, out=mask)
+        np.copyto(t, 0.0, where=mask)
+        np.greater_equal(x, 3.0, out=mask)
+        np.copyto(t, 1.0, where=mask)
+    return step
+
+
+def _gelu_slope(x, t, approximate=False, **_):
+    """A step writing t = Φ(x) + x·φ(x), GELU's derivative, or that of its tanh form:
+    (1 + th)/2 + x·(1 - th²)·√(2/π)·(1 + 3·0.044715·x²)/2."""
+    u, v = scratch(x.shape, x.dtype), scratch(x.shape, x.dtype)
+    if approximate:
+        a, b = _TANH_GELU
+        inner = _tanh_gelu_inner(x, t)
+
+        def tanh_form():
+            inner()
+            np.multiply(x, x, out=u)
+            np.multiply(u, 3 * b, out=u)
+            np.add(u, 1.0, out=u)
+            np.multiply(u, x, out=u)
+            np.multiply(u, a / 2, out=u)
+            np.multiply(t, t, out=v)
+            np.subtract(1.0, v, out=v)
+            np.multiply(u, v, out=u)
+            np.add(t, 1.0, out=t)
+            np.multiply(t, 0.5, out=t)
+            np.add(t, u, out=t)
+        return tanh_form
+    cdf = _normal_cdf(x, t)
+
+    def exact():
+        cdf()
+        np.multiply(x, x, out=u)
+        np.multiply(u, -0.5, out=u)
+        np.exp(u, out=u)
+        np.multiply(u, x, out=u)
+        np.multiply(u, _INV_SQRT_2PI, out=u)
+        np.add(t, u, out=t)
+    return exact
+
+
+def _log_slope(x, t, **_):
+    return partial(np.reciprocal, x, out=t)
+
+
+def _square_slope(x, t, **_):
+    return partial(np.add, x, x, out=t)
+
+
+_INPUT_SLOPES = {"hard_swish": _hard_swish_slope, "gelu": _gelu_slope, "log": _log_slope,
+                 "square": _square_slope}
+
+
+@kernel("ActivationInputGrad")
+def activation_input_grad(inputs, outputs, activation="", **options):
+    """dX = dY·f'(X) of an elementwise function f from its INPUT X."""
+    (dy, x), (dx,) = inputs, outputs
+    if activation not in _INPUT_SLOPES:
+        raise ValueError(f"ActivationInputGrad: unsupported activation {activation!r}")
+    t = scratch(x.shape, x.dtype)
+    slope = _INPUT_SLOPES[activation](x, t, **options)
+
+    def step():
+        slope()
+        np.multiply(dy, t, out=dx)
+    return step
+
+
+@kernel("LogSoftmaxGrad")
+def log_softmax_grad(inputs, outputs, **_):
+    """dX = dY - exp(Y)·Σ_last(dY)."""
+    (dy, y), (dx,) = inputs, outputs
+    dy2, y2, dx2 = rows(dy), rows(y), rows(dx)
+    sums = scratch((y2.shape[0], 1), y.dtype)
+    total = row_sums(dy2, sums)
+
+    def step():
+        total()
+        np.exp(y2, out=dx2)
+        np.multiply(dx2, sums, out=dx2)
+        np.subtract(dy2, dx2, out=dx2)
     return step
