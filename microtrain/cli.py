@@ -154,7 +154,7 @@ def _epoch_line(record: dict, epochs: int) -> str:
         and not record["grad_underflow_all"]
     parts = [f"Epoch {record['epoch']}/{epochs}", f"{record['ms_per_step']:.3f} ms/step"]
     for key, value in record.items():
-        if key in ("epoch", "ms_per_step", "grad_underflow_by_tensor") or \
+        if key in ("epoch", "ms_per_step", "loss_scale_by_tensor", "grad_underflow_by_tensor") or \
                 (quiet and key in MIXED_PRECISION_KEYS):
             continue
         if isinstance(value, dict):
@@ -262,6 +262,28 @@ def _sweep_message(summary: dict) -> str:
                f"weights not written")
     return (f"best: trial {best['trial']}, {on} {best['value']:.4f}: {verdict}\n"
             f"reproduce it from the starting weights:\n  {summary['command']}")
+
+
+@main.command()
+@click.argument("logs", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="The figure: FILE.png or FILE.svg.")
+@click.option("--width", default=960, show_default=True, type=click.IntRange(100, 10000),
+              help="Width in pixels (in points in an SVG).")
+@click.option("--height", default=640, show_default=True, type=click.IntRange(100, 10000),
+              help="Height in pixels (in points in an SVG).")
+@click.option("--json", "as_json", is_flag=True, help="Print what was drawn as JSON.")
+def plot(logs, output, width, height, as_json):
+    """Draw LOGS: the outputs of `microtrain run --json` (loss and metric per epoch, train
+    and test; loss scale and fp16 underflow for mixed precision) or one sweep log (the
+    metric against each swept option, and the best trials' curves). Needs the optional
+    extra [plot] (matplotlib)."""
+    from .plot import plot as draw
+    result = draw(logs, output, width, height)
+    if as_json:
+        print_json(result)
+    else:
+        click.echo(f"wrote {result['kind']} ({width}x{height}) to {result['output']}")
 
 
 @main.command(name="eval")

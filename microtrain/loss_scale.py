@@ -72,6 +72,10 @@ class LossScale:
     def report(self):
         return self.scale
 
+    def layer_scales(self) -> dict[str, float]:
+        """Scales per gradient tensor, by name (adaptive scaling only)."""
+        return {}
+
     def state(self) -> dict:
         return {"kind": self.kind, "seed": self.scale, "skipped": self.skipped}
 
@@ -268,13 +272,13 @@ class AdaptiveScale(DynamicScale):
         self.redo = self.steps % self.interval == 0 or self.scale != before
         return apply
 
-    def layer_scales(self) -> list[float]:
+    def layer_scales(self) -> dict[str, float]:
         """The total scale of the loss gradient and of each layer's input gradient."""
-        return [self.scales[t] for op in self.graph.ops if op.type in LAYER_OPS + LOSS_OPS
-                for t in op.outputs if t in self.scales]
+        return {self.graph.tensors[t].name: self.scales[t] for op in self.graph.ops
+                if op.type in LAYER_OPS + LOSS_OPS for t in op.outputs if t in self.scales}
 
     def report(self):
-        values = self.layer_scales() or [self.scale]
+        values = list(self.layer_scales().values()) or [self.scale]
         return {"min": min(values), "max": max(values)}
 
     def state(self) -> dict:

@@ -217,7 +217,9 @@ class Trainer:
         self.epoch += 1
         return {"epoch": self.epoch, "loss": totals.mean_loss(),
                 self.metric: totals.metric_value(), "ms_per_step": 1000 * busy / steps,
-                "loss_scale": self.scaler.report(), "skipped_steps": self.scaler.skipped - skipped,
+                "loss_scale": self.scaler.report(),
+                "loss_scale_by_tensor": self.scaler.layer_scales(),
+                "skipped_steps": self.scaler.skipped - skipped,
                 **self._underflow_report()}
 
     def _underflow_report(self) -> dict:
