@@ -348,6 +348,10 @@ class GraphLinks(Record):
     loss: Index = doc("the backprop tensor holding the loss, shape [1]")
     gradients: list[tuple[Index, Index]] = doc(
         "`[g, f]`: backprop tensor g holds dLoss/d(forward tensor f), in the order of `trainable`")
+    layers: list[Index] = doc(
+        "backprop tensors holding a weighted layer's input gradient (from an operator whose "
+        "inputs are dY, W), where `--loss-scale adaptive` chooses a scale; trainconf marks "
+        "them from its operator registry")
     memory: MemoryPlan | None = doc("the memory plan of a training step (none: every tensor "
                                     "gets an array of its own)", default=None)
 

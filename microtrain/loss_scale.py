@@ -20,7 +20,6 @@ from .kernels import build
 F16_TINY = 2.0 ** -24  # smallest fp16 subnormal
 F16_SAFE_MAX = 65504.0 / 2  # headroom below fp16's largest value
 LOSS_OPS = ("Loss", "LogitsLoss")
-LAYER_OPS = ("FullyConnectedInputGrad", "Conv2DInputGrad", "DepthwiseConv2DInputGrad")
 
 DYNAMIC_DEFAULTS = {"init": 2.0 ** 15, "growth_factor": 2.0, "backoff_factor": 0.5,
                     "growth_interval": 2000, "min_scale": 1.0, "max_scale": 2.0 ** 24}
@@ -180,10 +179,14 @@ class AdaptiveScale(DynamicScale):
     def bind(self, art, grad_offsets) -> None:
         g: Graph = art.backprop
         self.graph = g
+        # the layers' input-gradient operators, as trainconf marked them ([dY, W] -> dX)
+        layer_grads = set(art.links.layers)
+        self.layers = {op.index for op in g.ops if op.outputs[0] in layer_grads}
         # float32 factors by which each op's output is multiplied (a list per op, so
         # that closures see updates; numpy scalars, not arrays: no memory of their own)
         self.factors = {op.index: [np.float32(1)] * (len(op.inputs) if op.type == "ADD_N" else 1)
-                        for op in g.ops if op.type in LAYER_OPS + LOSS_OPS + ("ADD_N",)}
+                        for op in g.ops
+                        if op.index in self.layers or op.type in LOSS_OPS + ("ADD_N",)}
         self.source = self._scale_sources(g)
         self.scales: dict[int, float] = {}  # scale-setting tensor -> its total scale
         self.grad_offsets = {grad: grad_offsets[w] for grad, w in art.links.gradients}
@@ -195,7 +198,7 @@ class AdaptiveScale(DynamicScale):
         for op in g.ops:
             if op.type in LOSS_OPS:
                 source[op.outputs[1]] = op.outputs[1]
-            elif op.type in LAYER_OPS and op.inputs[0] in source or \
+            elif op.index in self.layers and op.inputs[0] in source or \
                     op.type == "ADD_N" and all(t in source for t in op.inputs):
                 source[op.outputs[0]] = op.outputs[0]
             else:
@@ -226,7 +229,7 @@ class AdaptiveScale(DynamicScale):
     def after(self, op: Op, inputs, outputs) -> list:
         if op.type in LOSS_OPS:
             return [self._chooser(op, outputs[1], outputs[1], None)]
-        if op.type in LAYER_OPS and op.outputs[0] in self.source:
+        if op.index in self.layers and op.outputs[0] in self.source:
             return [self._chooser(op, inputs[0], outputs[0], inputs[1])]
         return []
 
@@ -275,7 +278,8 @@ class AdaptiveScale(DynamicScale):
     def layer_scales(self) -> dict[str, float]:
         """The total scale of the loss gradient and of each layer's input gradient."""
         return {self.graph.tensors[t].name: self.scales[t] for op in self.graph.ops
-                if op.type in LAYER_OPS + LOSS_OPS for t in op.outputs if t in self.scales}
+                if op.index in self.layers or op.type in LOSS_OPS
+                for t in op.outputs if t in self.scales}
 
     def report(self):
         values = list(self.layer_scales().values()) or [self.scale]

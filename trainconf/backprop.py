@@ -12,7 +12,7 @@ import numpy as np
 from microtrain.errors import UserError
 from microtrain.graph import BATCH, Graph, Op, Tensor
 
-from .gradients import RULES
+from .operators import WITH_GRADIENT, spec
 
 from microtrain.contracts import LOSSES, REDUCTIONS  # noqa: E402  (re-exported for the CLI)
 # A final activation whose logits the loss can use directly (stable gradient).
@@ -27,6 +27,7 @@ class Backprop:
     targets: list[int]  # backprop target tensors, one per model output
     loss: int
     gradients: list[tuple[int, int]]  # (backprop tensor, trainable forward tensor)
+    layers: list[int]  # backprop tensors holding a layer's input gradient (loss scaling)
 
 
 class Builder:
@@ -151,7 +152,7 @@ def _seed_loss(b: Builder, loss: str, reduction: str, skip: set[int],
 
 
 def unsupported(op: Op) -> UserError:
-    supported = ", ".join(sorted(RULES))
+    supported = ", ".join(WITH_GRADIENT)
     return UserError(None, f"operator {op.index} ({op.type}) is on the gradient path but has no "
                            f"gradient rule; supported: {supported}")
 
@@ -162,6 +163,7 @@ def build_backprop(fwd: Graph, trainable: list[int], loss: str, reduction: str,
     b = Builder(fwd, grad_dtype)
     grads: dict[int, list[int]] = {}
     skip: set[int] = set()
+    layers: list[int] = []
     loss_tensor, targets = _seed_loss(b, loss, reduction, skip, grads)
     for op in reversed(fwd.ops):
         if op.index in skip or op.outputs[0] not in grads:
@@ -169,16 +171,21 @@ def build_backprop(fwd: Graph, trainable: list[int], loss: str, reduction: str,
         needs = [t >= 0 and t in needed for t in op.inputs]
         if not any(needs):
             continue
-        if op.type not in RULES:
+        rule = spec(op.type).gradient
+        if rule is None:
             raise unsupported(op)
         dy = b.accumulate(grads[op.outputs[0]], fwd.tensors[op.outputs[0]].name)
-        for t, g in zip(op.inputs, RULES[op.type](b, op, dy, needs)):
+        op_grads = rule(b, op, dy, needs)
+        if spec(op.type).layer and op_grads[0] is not None:
+            layers.append(op_grads[0])
+        for t, g in zip(op.inputs, op_grads):
             if g is not None:
                 grads.setdefault(t, []).append(g)
     gradients = [(_own_gradient(b, grads, w), w) for w in trainable]
     graph = Graph(b.tensors, b.ops, list(b.links.values()) + targets,
                   [loss_tensor] + [g for g, _ in gradients])
-    return Backprop(graph, {v: k for k, v in b.links.items()}, targets, loss_tensor, gradients)
+    return Backprop(graph, {v: k for k, v in b.links.items()}, targets, loss_tensor, gradients,
+                    layers)
 
 
 def _own_gradient(b: Builder, grads: dict[int, list[int]], w: int) -> int:

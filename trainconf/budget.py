@@ -15,13 +15,11 @@ from dataclasses import dataclass
 from microtrain.errors import UserError
 from microtrain.graph import Graph, Op
 
-from .select import weighted_ops
+from .operators import spec
+from .select import bias_of, kernel_of, weighted_ops
 
 UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3,
          "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3}
-# Operators whose kernel's leading axis is the output channel: a block of its rows
-# is contiguous, so it can be a slice of the runtime's flat parameter buffer.
-ROW_OPS = ("FULLY_CONNECTED", "CONV_2D")
 
 
 def parse_size(text) -> int:
@@ -42,8 +40,8 @@ class Stage:
 
     def choose(self, g: Graph, k: int):
         """The trainable tensors (execution order) and partial rows; `k` rows for "rows"."""
-        kernel, bias = self.op.inputs[1], _bias(self.op)
-        tensors = [t for op in self.later for t in (op.inputs[1], _bias(op)) if t is not None]
+        kernel, bias = kernel_of(self.op), bias_of(self.op)
+        tensors = [t for op in self.later for t in (kernel_of(op), bias_of(op)) if t is not None]
         rows = {}
         if self.part != "bias":
             tensors.append(kernel)
@@ -57,25 +55,23 @@ class Stage:
 
     def describe(self, g: Graph, k: int) -> list[dict]:
         """What trains, by operator (named by its kernel tensor)."""
-        mine = {"op": self.op.index, "kernel": g.tensors[self.op.inputs[1]].name, "part": self.part}
+        kernel = g.tensors[kernel_of(self.op)]
+        mine = {"op": self.op.index, "kernel": kernel.name, "part": self.part}
         if self.part == "rows":
-            out = g.tensors[self.op.inputs[1]].shape[0]
-            mine["rows"] = [out - k, out]
-        return [mine] + [{"op": op.index, "kernel": g.tensors[op.inputs[1]].name, "part": "all"}
+            mine["rows"] = [kernel.shape[0] - k, kernel.shape[0]]
+        return [mine] + [{"op": op.index, "kernel": g.tensors[kernel_of(op)].name, "part": "all"}
                          for op in self.later]
-
-
-def _bias(op: Op) -> int | None:
-    return op.inputs[2] if len(op.inputs) > 2 and op.inputs[2] >= 0 else None
 
 
 def stages(g: Graph) -> list[Stage]:
     """Every choice, smallest first."""
     result, later = [], []
     for op in reversed(weighted_ops(g)):
-        if _bias(op) is not None:
+        if bias_of(op) is not None:
             result.append(Stage(op, "bias", list(later)))
-        if op.type in ROW_OPS and g.tensors[op.inputs[1]].shape[0] > 1:
+        # a block of rows of such a kernel (leading axis = output channel) is
+        # contiguous, so it can be a slice of the runtime's flat parameter buffer
+        if spec(op.type).row_grad and g.tensors[kernel_of(op)].shape[0] > 1:
             result.append(Stage(op, "rows", list(later)))
         result.append(Stage(op, "all", list(later)))
         later.insert(0, op)
@@ -117,7 +113,7 @@ def fit_budget(make, g: Graph, budget: int, batch: int, optimizer: str, accum_st
     i = _last_fitting(lambda j: peak_of(j) <= budget, 0, len(choices) - 1)
     k = 1
     if choices[i].part == "rows":
-        out = g.tensors[choices[i].op.inputs[1]].shape[0]
+        out = g.tensors[kernel_of(choices[i].op)].shape[0]
         k = _last_fitting(lambda n: peak_of(i, n) <= budget, 1, out - 1)
     trains = choices[i].describe(g, k)
     return built[i, k][0], {"bytes": budget, "trains": trains, "text": text(trains),

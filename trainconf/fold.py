@@ -11,11 +11,11 @@ from microtrain.errors import UserError
 from microtrain.graph import Graph, Op
 
 
-def _shape(g: Graph, op: Op, values):
+def shape(g: Graph, op: Op, values):
     return np.array(g.tensors[op.inputs[0]].shape, np.int32)
 
 
-def _strided_slice(g: Graph, op: Op, values):
+def strided_slice(g: Graph, op: Op, values):
     x, begin, end, strides = (values[t] for t in op.inputs)
     o = op.options
     if x.ndim != 1 or o.get("ellipsis_mask") or o.get("new_axis_mask"):
@@ -27,25 +27,22 @@ def _strided_slice(g: Graph, op: Op, values):
     return x[start:stop:int(strides[0])]
 
 
-def _pack(g: Graph, op: Op, values):
+def pack(g: Graph, op: Op, values):
     return np.stack([values[t] for t in op.inputs], axis=op.options.get("axis", 0))
 
 
-def _concatenation(g: Graph, op: Op, values):
+def concatenation(g: Graph, op: Op, values):
     return np.concatenate([values[t] for t in op.inputs], axis=op.options.get("axis", 0))
 
 
-FOLDABLE = {"SHAPE": _shape, "STRIDED_SLICE": _strided_slice, "PACK": _pack,
-            "CONCATENATION": _concatenation}
-
-
-def fold_shape_chains(g: Graph) -> tuple[set[int], dict[int, np.ndarray]]:
+def fold_shape_chains(g: Graph, folds: dict) -> tuple[set[int], dict[int, np.ndarray]]:
     """Ops to delete and the constant value of each tensor they produced that
-    a remaining op reads."""
+    a remaining op reads; `folds` maps an operator to its value function (of
+    trainconf/operators.py)."""
     values = {t.index: t.data for t in g.tensors if t.data is not None}
     folded: set[int] = set()
     for op in g.ops:
-        fn = FOLDABLE.get(op.type)
+        fn = folds.get(op.type)
         known = op.type == "SHAPE" or all(t in values for t in op.inputs if t >= 0)
         if fn is None or not known or (op.type == "CONCATENATION" and not _ints(values, op)):
             continue

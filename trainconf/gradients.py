@@ -1,5 +1,6 @@
 """Gradient rules: for each forward operator, the gradient operators that compute
-the gradients of its inputs from the gradient of its output.
+the gradients of its inputs from the gradient of its output.  Which operator
+uses which rule is declared in trainconf/operators.py.
 
 A rule is `rule(b, op, dy, needs) -> list[grad | None]`, one entry per op input:
 `b` is the backprop builder, `dy` the backprop tensor holding dLoss/d(output),
@@ -21,17 +22,6 @@ INPUT_ACTIVATION_OPS = {"HARD_SWISH": "hard_swish", "GELU": "gelu", "LOG": "log"
                         "SQUARE": "square"}
 CONV_OPTIONS = ("padding", "stride_w", "stride_h", "dilation_w_factor", "dilation_h_factor")
 POOL_OPTIONS = ("padding", "stride_w", "stride_h", "filter_width", "filter_height")
-
-RULES = {}
-
-
-def rule(*names):
-    def register(fn):
-        for name in names:
-            RULES[name] = fn
-        return fn
-    return register
-
 
 def _pick(options: dict, keys) -> dict:
     return {k: options[k] for k in keys if k in options}
@@ -66,44 +56,38 @@ def _weighted(input_grad, weight_grad, extra_options=()):
     return grad
 
 
-RULES["FULLY_CONNECTED"] = _weighted("FullyConnectedInputGrad", "FullyConnectedWeightGrad")
-RULES["CONV_2D"] = _weighted("Conv2DInputGrad", "Conv2DWeightGrad")
-RULES["DEPTHWISE_CONV_2D"] = _weighted("DepthwiseConv2DInputGrad", "DepthwiseConv2DWeightGrad",
-                                       ("depth_multiplier",))
+fully_connected = _weighted("FullyConnectedInputGrad", "FullyConnectedWeightGrad")
+conv_2d = _weighted("Conv2DInputGrad", "Conv2DWeightGrad")
+depthwise_conv_2d = _weighted("DepthwiseConv2DInputGrad", "DepthwiseConv2DWeightGrad",
+                              ("depth_multiplier",))
 
 
-@rule("MAX_POOL_2D")
 def max_pool(b, op, dy, needs):
     dz = through_fused(b, op, dy)
     x = op.inputs[0]
     return [b.emit("MaxPool2DGrad", [dz, b.forward(x)], like=x, **_pick(op.options, POOL_OPTIONS))]
 
 
-@rule("AVERAGE_POOL_2D")
 def average_pool(b, op, dy, needs):
     dz = through_fused(b, op, dy)
     return [b.emit("AveragePool2DGrad", [dz], like=op.inputs[0], **_pick(op.options, POOL_OPTIONS))]
 
 
-@rule("MEAN")
 def mean(b, op, dy, needs):
     axis = [int(a) for a in np.atleast_1d(b.constant_of(op.inputs[1]))]
     return [b.emit("MeanGrad", [dy], like=op.inputs[0], axis=axis,
                    keep_dims=bool(op.options.get("keep_dims", False))), None]
 
 
-@rule("RESHAPE", "SQUEEZE")
 def reshape(b, op, dy, needs):
     return [b.reshape(dy, op.inputs[0])] + [None] * (len(op.inputs) - 1)
 
 
-@rule("SOFTMAX")
 def softmax(b, op, dy, needs):
     y = b.forward(op.outputs[0])
     return [b.emit("SoftmaxGrad", [dy, y], like=op.inputs[0], beta=op.options.get("beta", 1.0))]
 
 
-@rule(*ACTIVATION_OPS)
 def activation(b, op, dy, needs):
     y = b.forward(op.outputs[0])
     extra = {"alpha": op.options.get("alpha", 0.2)} if op.type == "LEAKY_RELU" else {}
@@ -111,7 +95,6 @@ def activation(b, op, dy, needs):
                    activation=ACTIVATION_OPS[op.type], **extra)]
 
 
-@rule("ADD", "SUB")
 def add_sub(b, op, dy, needs):
     dz = through_fused(b, op, dy)
     grads = [None, None]
@@ -123,7 +106,6 @@ def add_sub(b, op, dy, needs):
     return grads
 
 
-@rule("MUL")
 def mul(b, op, dy, needs):
     dz = through_fused(b, op, dy)
     x, w = op.inputs
@@ -135,7 +117,6 @@ def mul(b, op, dy, needs):
     return grads
 
 
-@rule("DIV")
 def div(b, op, dy, needs):
     # z = x / w: dx = dz / w, dw = -(dz / w) * (x / w)
     dz = through_fused(b, op, dy)
@@ -151,7 +132,6 @@ def div(b, op, dy, needs):
     return grads
 
 
-@rule("CONCATENATION")
 def concatenation(b, op, dy, needs):
     dz = through_fused(b, op, dy)
     rank = len(b.fwd.tensors[op.outputs[0]].shape)
@@ -169,20 +149,17 @@ def concatenation(b, op, dy, needs):
     return grads
 
 
-@rule("PAD")
 def pad(b, op, dy, needs):
     before = [int(p) for p in b.constant_of(op.inputs[1])[:, 0]]
     return [b.slice(dy, before, op.inputs[0]), None]
 
 
-@rule("TRANSPOSE")
 def transpose(b, op, dy, needs):
     perm = b.constant_of(op.inputs[1]).astype(np.int64)
     inverse = b.const(np.argsort(perm).astype(np.int32), "perm")
     return [b.emit("TRANSPOSE", [dy, inverse], like=op.inputs[0]), None]
 
 
-@rule("BATCH_MATMUL")
 def batch_matmul(b, op, dy, needs):
     # c = op(x) @ op(w), op() transposing the last two axes where adj_* is set.
     x, w = op.inputs
@@ -202,14 +179,12 @@ def batch_matmul(b, op, dy, needs):
     return grads
 
 
-@rule(*INPUT_ACTIVATION_OPS)
 def input_activation(b, op, dy, needs):
     extra = {"approximate": bool(op.options.get("approximate"))} if op.type == "GELU" else {}
     return [b.emit("ActivationInputGrad", [dy, b.forward(op.inputs[0])], like=op.inputs[0],
                    activation=INPUT_ACTIVATION_OPS[op.type], **extra)]
 
 
-@rule("PRELU")
 def prelu(b, op, dy, needs):
     x, alpha = op.inputs
     grads = [None, None]
@@ -220,7 +195,6 @@ def prelu(b, op, dy, needs):
     return grads
 
 
-@rule("SQUARED_DIFFERENCE")
 def squared_difference(b, op, dy, needs):
     # y = (a - b)²: da = 2(a - b)·dy, db = -da
     x, w = op.inputs
@@ -235,7 +209,6 @@ def squared_difference(b, op, dy, needs):
     return grads
 
 
-@rule("MAXIMUM", "MINIMUM")
 def pick(b, op, dy, needs):
     operands = [b.forward(t) for t in op.inputs]
     return [b.sum_to(b.emit("PickGrad", [dy, *operands], like_tensor=dy, op=op.type.lower(),
@@ -243,7 +216,6 @@ def pick(b, op, dy, needs):
             for i, (t, need) in enumerate(zip(op.inputs, needs))]
 
 
-@rule("LOG_SOFTMAX")
 def log_softmax(b, op, dy, needs):
     y = b.forward(op.outputs[0])
     return [b.emit("LogSoftmaxGrad", [dy, y], like=op.inputs[0])]

@@ -8,9 +8,8 @@ from microtrain.format import circle_generated as circle
 from microtrain.format.model import (TYPE_NAMES, enum_names, get_metadata, int_list, op_name,
                                      options_dict)
 
-from .fold import FOLDABLE
-from .gradients import RULES
 from .memory import measure_scratch, peak, peak_text, scratch_points
+from .operators import spec
 
 ACTIVATIONS = enum_names(circle.ActivationFunctionType)
 
@@ -18,9 +17,9 @@ ACTIVATIONS = enum_names(circle.ActivationFunctionType)
 def training_support(op_type: str) -> str:
     """How `trainconf split` treats an operator: it has a gradient rule, it is
     folded into a constant (shape computations), or it cannot be trained through."""
-    if op_type in RULES:
+    if spec(op_type).gradient:
         return "gradient"
-    return "folded" if op_type in FOLDABLE else "unsupported"
+    return "folded" if spec(op_type).fold else "unsupported"
 
 
 def describe(model: circle.ModelT) -> dict:

@@ -2,18 +2,31 @@
 from microtrain.errors import UserError
 from microtrain.graph import Graph, Op
 
-# Operators whose input 1 (and 2, a bias, if any) are weights; PRELU's input 1 is its alpha.
-WEIGHTED = {"FULLY_CONNECTED", "CONV_2D", "DEPTHWISE_CONV_2D", "PRELU"}
+from .operators import WEIGHTED, spec
 
 
 def weighted_ops(g: Graph) -> list[Op]:
     """Ops with a constant weight input, in execution order."""
-    return [op for op in g.ops if op.type in WEIGHTED and g.tensors[op.inputs[1]].data is not None]
+    return [op for op in g.ops if spec(op.type).weighted
+            and g.tensors[op.inputs[spec(op.type).weight]].data is not None]
+
+
+def kernel_of(op: Op) -> int:
+    """The weight tensor of a weighted op."""
+    return op.inputs[spec(op.type).weight]
+
+
+def bias_of(op: Op) -> int | None:
+    """The bias tensor of a weighted op, None when it has none."""
+    position = spec(op.type).bias
+    if position is None or position >= len(op.inputs) or op.inputs[position] < 0:
+        return None
+    return op.inputs[position]
 
 
 def _weights_of(op: Op, freeze_bias: bool) -> list[int]:
-    keep = op.inputs[1:2] if freeze_bias else op.inputs[1:3]
-    return [t for t in keep if t >= 0]
+    bias = None if freeze_bias else bias_of(op)
+    return [kernel_of(op)] + ([bias] if bias is not None else [])
 
 
 def _named(g: Graph, ops: list[Op], names: list[str], freeze_bias: bool) -> list[int]:
@@ -36,7 +49,7 @@ def select_trainable(g: Graph, spec: str, freeze_bias: bool = False) -> list[int
     """Trainable tensor indices in execution order."""
     ops = weighted_ops(g)
     if not ops:
-        raise UserError(None, f"the model has no weighted operator ({', '.join(sorted(WEIGHTED))}) "
+        raise UserError(None, f"the model has no weighted operator ({', '.join(WEIGHTED)}) "
                               "with constant weights to train")
     if spec == "all":
         chosen = [t for op in ops for t in _weights_of(op, freeze_bias)]

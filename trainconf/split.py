@@ -17,6 +17,7 @@ from .backprop import LOGITS_OF, LOSSES, REDUCTIONS, Backprop, Builder, build_ba
 from .budget import fit_budget, parse_size
 from .fold import fold_shape_chains
 from .memory import measure_scratch, peak, plan_memory, scratch_points
+from .operators import FOLDS, ROW_GRADS
 from .select import select_trainable
 from .writer import TENSOR_TYPES, graph_to_model, set_constant
 
@@ -75,7 +76,7 @@ def make_batch_symbolic(model, g: Graph) -> int:
 
 def fold(model, g: Graph) -> Graph:
     """Fold shape chains in the model; returns the graph of the folded model."""
-    folded, constants = fold_shape_chains(g)
+    folded, constants = fold_shape_chains(g, FOLDS)
     for t, value in constants.items():
         set_constant(model, t, value)
     sg = model.subgraphs[0]
@@ -128,7 +129,8 @@ def cut_weights(model, trainable: list[int]) -> dict[int, np.ndarray]:
 def _graph_links(bp: Backprop, frozen_bytes: bytes) -> GraphLinks:
     return GraphLinks(version=GraphLinks.VERSION, frozen_sha256=fingerprint(frozen_bytes),
                       forward=sorted(bp.forward_links.items()), targets=list(bp.targets),
-                      loss=bp.loss, gradients=[(b, f) for b, f in bp.gradients])
+                      loss=bp.loss, gradients=[(b, f) for b, f in bp.gradients],
+                      layers=list(bp.layers))
 
 
 def output_paths(model_path: Path, out_dir: Path | None) -> tuple[Path, Path, Path]:
@@ -230,9 +232,6 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int) -> 
                  art, rows)
 
 
-ROW_GRADS = ("FullyConnectedWeightGrad", "Conv2DWeightGrad")  # dW rows = output channels of dY
-
-
 def slice_rows(bp: Backprop, g: Graph, rows: dict, grad_dtype) -> None:
     """Make the gradient of each weight trained only in rows lo..hi hold just
     those rows: its weight-gradient operator reads only those output channels of
@@ -246,7 +245,7 @@ def slice_rows(bp: Backprop, g: Graph, rows: dict, grad_dtype) -> None:
         op = producers.get(grad)
         if op is None or op.type not in ROW_GRADS:
             raise UserError(None, f"tensor {w} ({g.tensors[w].name}) can train only some rows "
-                                  "when one FULLY_CONNECTED or CONV_2D operator reads it")
+                                  "when one operator whose weight gradient has rows reads it")
         (lo, hi), dz = rows[w], op.inputs[0]
         shape = b.shape_of(dz)
         begin = np.array([0] * (len(shape) - 1) + [lo], np.int32)

@@ -1,0 +1,60 @@
+"""trainconf/operators.py: one registry of operators, consistent with the
+runtime's kernels, and the README's table generated from it."""
+import importlib.util
+from pathlib import Path
+
+from microtrain.artifacts import load_artifacts
+from microtrain.format import circle_generated as circle
+from microtrain.kernels import KERNELS
+from trainconf.operators import OPERATORS, ROW_GRADS, spec
+from trainconf.split import split
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+
+
+def _table_script():
+    spec_ = importlib.util.spec_from_file_location("operator_table",
+                                                   ROOT / "scripts" / "operator_table.py")
+    module = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(module)
+    return module
+
+
+def test_readme_table_is_current():
+    script = _table_script()
+    text = (ROOT / "README.md").read_text()
+    assert script.updated(text) == text, "stale: run scripts/operator_table.py"
+
+
+def test_every_builtin_kernel_has_an_entry():
+    builtin = {name for name in KERNELS if hasattr(circle.BuiltinOperator, name)}
+    assert builtin <= OPERATORS.keys(), builtin - OPERATORS.keys()
+
+
+def test_what_trains_or_passes_gradients_runs_forward():
+    assert [n for n, op in OPERATORS.items() if op.gradient and not op.forward] == []
+
+
+def test_properties_are_consistent():
+    for name, op in OPERATORS.items():
+        assert op.name == name
+        if op.bias is not None or op.layer or op.row_grad:
+            assert op.weighted and op.gradient, name
+    # a weight gradient that can be cut to rows is an operator the runtime runs
+    assert ROW_GRADS and ROW_GRADS <= KERNELS.keys()
+
+
+def test_an_unknown_operator_has_nothing():
+    op = spec("Convolution2DTransposeBias")
+    assert (op.forward, op.gradient, op.fold, op.weighted) == (False, None, None, False)
+
+
+def test_backprop_metadata_names_the_layers(tmp_path):
+    """Adaptive loss scaling learns the layers from the backprop graph's metadata:
+    the input gradient of every weighted op that has one (not the first layer's)."""
+    files = split(FIXTURES / "cnn.tflite", tmp_path)
+    art = load_artifacts(files.frozen)
+    producers = art.backprop.producers()
+    layer_types = [producers[t].type for t in art.links.layers]
+    assert layer_types == ["FullyConnectedInputGrad", "Conv2DInputGrad"]
