@@ -15,14 +15,10 @@ from .arena import Arena
 from .artifacts import Artifacts
 from .errors import UserError
 from .graph import BATCH, Graph, concrete_shape
-from .kernels import KERNELS, build
-from .kernels.workspace import Workspace, sharing
+from .kernels import KERNELS, prepare
+from .kernels.workspace import Workspace, begin_kernel, scratch, sharing
 from .loss_scale import LossScale
-from .precision import HALF, TYPES, Underflow, rounder
-
-
-def _float(dtype) -> np.dtype:
-    return np.dtype(np.float32) if np.issubdtype(dtype, np.floating) else np.dtype(dtype)
+from .precision import F32, HALF, TYPES, Underflow, narrow, reduced, round_in_place, storage, widen
 
 
 def _check_kernels(g: Graph, path) -> None:
@@ -85,7 +81,7 @@ class Memory:
         if not self.half_weights:
             self.working = self.params
             return dict(self.param_views)
-        working = backing.astype(HALF).astype(np.float32)  # frozen rows rounded once
+        working = backing.astype(HALF)  # frozen rows rounded once
         self.working = working[lead:lead + ends[-1]]
         self.round_working: list = []  # set by compile_plan, over the workspace
         return {t: working[start:start + art.weights[t].size].reshape(art.weights[t].shape)
@@ -93,19 +89,17 @@ class Memory:
 
     def refresh_weights(self) -> None:
         """Round the master weights into the fp16 working copy."""
-        if self.half_weights:
-            np.copyto(self.working, self.params)
-            for step in self.round_working:
-                step()
+        for step in self.round_working if self.half_weights else ():
+            step()
 
     def _planned(self, g: Graph, graph: str) -> dict:
-        return self.arena.views(g, graph, _float) if self.arena else {}
+        return self.arena.views(g, graph, storage) if self.arena else {}
 
     @staticmethod
     def constant(t, half_weights: bool) -> np.ndarray:
         """A constant tensor as the graphs read it (fp16 weights: rounded)."""
         data = t.data.astype(HALF) if half_weights and t.data.dtype.kind == "f" else t.data
-        return np.ascontiguousarray(data, _float(t.dtype))
+        return np.ascontiguousarray(data, storage(t.dtype))
 
     def _allocate(self, g: Graph, batch: int, given: dict) -> list:
         arrays = []
@@ -115,7 +109,7 @@ class Memory:
             elif t.data is not None:
                 arrays.append(self.constant(t, self.half_weights))
             else:
-                arrays.append(np.zeros(concrete_shape(t.shape, batch), _float(t.dtype)))
+                arrays.append(np.zeros(concrete_shape(t.shape, batch), storage(t.dtype)))
         return arrays
 
 
@@ -168,9 +162,9 @@ def _views(g: Graph, arrays: list, rows: int) -> list:
 
 
 class Hooks:
-    """What runs around each kernel: loss scaling in the backprop graph, then
-    rounding to fp16 of every tensor declared fp16 (counting weight-gradient
-    underflow)."""
+    """What runs around each kernel: widening its reduced-precision inputs into
+    float32 scratch, loss scaling in the backprop graph, then storing every
+    tensor declared fp16 rounded (counting gradient underflow)."""
 
     def __init__(self, art: Artifacts, scaler: LossScale, underflow: Underflow):
         self.backprop, self.scaler, self.underflow = art.backprop, scaler, underflow
@@ -183,19 +177,46 @@ class Hooks:
             return ()
         return self.underflow, self.weight_grads.get(t, -1 - t)
 
-    def closures(self, g: Graph, arrays: list, ops) -> list:
+    def closures(self, g: Graph, arrays: list, ops, scaling: bool = True) -> list:
+        """The closures of `ops` over `arrays`; `scaling`: with the loss scale's
+        hooks (training), else the kernels alone (evaluation)."""
         steps = []
         for op in ops:
-            inputs = [arrays[i] if i >= 0 else None for i in op.inputs]
-            outputs = [arrays[i] for i in op.outputs]
-            backprop = g is self.backprop
-            steps.append(self.scaler.kernel(op, inputs, outputs) if backprop
-                         else build(op.type, inputs, outputs, **op.options))
-            if backprop:
-                steps += self.scaler.after(op, inputs, outputs)
-            steps += [rounder(a, *self._counting(backprop, t))
-                      for t, a in zip(op.outputs, outputs) if g.tensors[t].dtype == HALF]
+            steps += self._op(g, op, arrays, scaling and g is self.backprop)
         return steps
+
+    def _op(self, g: Graph, op, arrays: list, backprop: bool) -> list:
+        begin_kernel()  # the float32 copies below and the kernel's scratch share one layout
+        inputs = [arrays[i] if i >= 0 else None for i in op.inputs]
+        outputs = [arrays[i] for i in op.outputs]
+        wide_in = [_wide(a) for a in inputs]
+        wide_out = [_wide(a) for a in outputs]
+        loads = [widen(a, w) for a, w in zip(inputs, wide_in) if w is not a]
+        steps = [self.scaler.kernel(op, wide_in, wide_out) if backprop
+                 else prepare(op.type, wide_in, wide_out, **op.options)]
+        if backprop:
+            steps += self.scaler.after(op, wide_in, wide_out)
+        for t, a, w in zip(op.outputs, outputs, wide_out):
+            counting = self._counting(backprop, t)
+            if w is not a:
+                steps.append(narrow(w, a, *counting))
+            elif g.tensors[t].dtype == HALF:  # fp16 values in a float32 buffer
+                steps.append(round_in_place(a, *counting))
+        if not loads and len(steps) == 1:
+            return steps
+        return [_in_sequence(loads + steps)]  # one closure: its scratch holds the float32 copies
+
+
+def _in_sequence(steps: list):
+    def step():
+        for s in steps:
+            s()
+    return step
+
+
+def _wide(a: np.ndarray | None) -> np.ndarray | None:
+    """`a` itself, or float32 scratch of its shape when it holds reduced precision."""
+    return scratch(a.shape, F32) if a is not None and reduced(a.dtype) else a
 
 
 def compile_plan(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
@@ -212,16 +233,27 @@ def compile_plan(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
 WEIGHT_CHUNK = 1 << 16  # weights are rounded in chunks, so their scratch stays small
 
 
+def _weight_chunk(params: np.ndarray, working: np.ndarray):
+    """A closure rounding fp32 master weights into their fp16 working copy."""
+    begin_kernel()
+    wide = scratch(params.shape, F32)
+    store = narrow(wide, working)
+
+    def step():
+        np.copyto(wide, params)
+        store()
+    return step
+
+
 def _compile(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
     if mem.half_weights:  # between steps, so it may share the kernels' workspace
-        mem.round_working = [rounder(mem.working[i:i + WEIGHT_CHUNK])
+        mem.round_working = [_weight_chunk(mem.params[i:i + WEIGHT_CHUNK],
+                                           mem.working[i:i + WEIGHT_CHUNK])
                              for i in range(0, mem.working.size, WEIGHT_CHUNK)]
     fwd = _views(art.forward, mem.forward, rows)
     inputs = [fwd[i] for i in art.forward.inputs]
-    round_inputs = [rounder(fwd[i]) for i in art.forward.inputs
-                    if art.forward.tensors[i].dtype == HALF]
     plan = Plan(inputs, [fwd[i] for i in art.forward.outputs], [], None,
-                round_inputs + hooks.closures(art.forward, fwd, art.forward.ops), [], [])
+                hooks.closures(art.forward, fwd, art.forward.ops), [], [])
     if art.backprop is not None:
         bp = _views(art.backprop, mem.backprop, rows)
         plan.targets = [bp[i] for i in art.links.targets]
@@ -230,8 +262,7 @@ def _compile(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
         # evaluation runs the loss operators alone (and their sum, with several outputs)
         loss_ops = [op for op in art.backprop.ops if op.type in ("Loss", "LogitsLoss")
                     or art.links.loss in op.outputs]
-        plan.loss_ops = [build(op.type, [bp[i] for i in op.inputs], [bp[i] for i in op.outputs],
-                               **op.options) for op in loss_ops]
+        plan.loss_ops = hooks.closures(art.backprop, bp, loss_ops, scaling=False)
     return plan
 
 

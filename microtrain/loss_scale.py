@@ -15,7 +15,7 @@ import numpy as np
 
 from .errors import UserError
 from .graph import Graph, Op
-from .kernels import build
+from .kernels import prepare
 
 F16_TINY = 2.0 ** -24  # smallest fp16 subnormal
 F16_SAFE_MAX = 65504.0 / 2  # headroom below fp16's largest value
@@ -50,7 +50,8 @@ class LossScale:
         """Called once with the loaded artifacts and each gradient's place in the flat buffer."""
 
     def kernel(self, op: Op, inputs, outputs):
-        return build(op.type, inputs, outputs, **op.options)
+        """The op's closure (built within the scratch layout its caller began)."""
+        return prepare(op.type, inputs, outputs, **op.options)
 
     def after(self, op: Op, inputs, outputs) -> list:
         """Closures to run right after `op` of the backprop graph, before rounding."""

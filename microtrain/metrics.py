@@ -52,7 +52,7 @@ def accuracy(y: np.ndarray, t: np.ndarray, loss: str):
 def _error(power: int):
     def metric(y: np.ndarray, t: np.ndarray, loss: str):
         """A closure summing |y - t|**power over a batch: (sum, elements)."""
-        t2, d = t.reshape(y.shape), _buffer("error", y.shape, y.dtype)
+        t2, d = t.reshape(y.shape), _buffer("error", y.shape, np.float32)
         ufunc = np.abs if power == 1 else np.square
 
         def step() -> tuple[float, int]:

@@ -73,9 +73,12 @@ class Optimizer:
         self.size = size
         self.iterations = 0
         self._state: dict[str, np.ndarray] = {}
-        self._tmp = [np.empty(size, f32) for _ in range(self.scratch)]
+        self._tmp = [np.empty(size, f32) for _ in range(self._scratch_vectors())]
         wd = self._config.get("weight_decay")
         self._weight_decay = f32(wd) if wd else None
+
+    def _scratch_vectors(self) -> int:
+        return self.scratch
 
     def _slot(self, name: str, fill: float = 0.0, shape=None) -> np.ndarray:
         """Allocate one named state array (per-parameter unless `shape` is given)."""
@@ -91,7 +94,8 @@ class Optimizer:
         return self._config["learning_rate"]
 
     def apply(self, params: np.ndarray, grads: np.ndarray, lr: float) -> None:
-        """One update of `params` (float32, in place) with `grads` at learning rate `lr`."""
+        """One update of `params` (float32, in place) with `grads` at learning rate
+        `lr`; `grads` may be overwritten (the trainer's next step rewrites them)."""
         lr = f32(lr)
         if self._weight_decay is not None:
             t = self._tmp[0]
@@ -132,8 +136,14 @@ class SGD(Optimizer):
         self._momentum = f32(self._config["momentum"])
         self._velocity = self._slot("momentum") if self._momentum != 0 else None
 
+    def _scratch_vectors(self) -> int:
+        """Plain SGD needs none (lr * g is formed in the gradient vector, which
+        the step overwrites next); weight decay and Nesterov's look-ahead one."""
+        nesterov = self._config["nesterov"] and self._config["momentum"] != 0
+        return int(nesterov or bool(self._config.get("weight_decay")))
+
     def _update(self, params, grads, lr, step):
-        lr_g, t = self._tmp
+        lr_g = grads
         np.multiply(grads, lr, out=lr_g)
         m = self._velocity
         if m is None:
@@ -142,6 +152,7 @@ class SGD(Optimizer):
         m *= self._momentum
         m -= lr_g
         if self._config["nesterov"]:
+            t = self._tmp[0]
             np.multiply(m, self._momentum, out=t)
             t -= lr_g
             params += t

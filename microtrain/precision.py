@@ -1,16 +1,38 @@
-"""Faithful reduced-precision storage over float32 arithmetic.
+"""Reduced-precision storage over float32 arithmetic.
 
-Every array is float32; a tensor declared float16 is rounded to float16 right
-after the operator that writes it (underflow to 0, overflow to inf, as on
-hardware that accumulates in fp32 and stores in fp16).  numpy's own float16
-arithmetic is far slower than this round-on-store.
+A tensor declared float16 is stored as a float16 array (2 bytes an element).
+Kernels compute in float32: the executor widens a kernel's float16 inputs into
+float32 scratch, runs the kernel into float32 scratch and narrows the results
+into their float16 arrays, rounding to nearest even (underflow to 0, overflow
+to inf, as on hardware that accumulates in fp32 and stores in fp16).  A float16
+tensor that aliases a float32 buffer (a weight gradient in the flat gradient
+vector) is rounded in place to float16 values instead.
+
+numpy's own float16 casts take a software path here (~4 ns an element, ~100 ns
+for fp16 subnormals); the conversions below use float32 arithmetic and integer
+bit operations instead, a few passes of ~0.1 ns an element each.
 """
 import numpy as np
 
-from .kernels.workspace import begin_kernel, scratch
+from .kernels.workspace import scratch
 
+F32 = np.dtype(np.float32)
 HALF = np.dtype(np.float16)
-TYPES = {"fp32": np.dtype(np.float32), "fp16": HALF}
+TYPES = {"fp32": F32, "fp16": HALF}
+
+
+def storage(dtype) -> np.dtype:
+    """The dtype the runtime stores a tensor declared `dtype` in: float16 as
+    itself, other floats as float32, anything else as declared."""
+    dtype = np.dtype(dtype)
+    if dtype == HALF:
+        return dtype
+    return F32 if np.issubdtype(dtype, np.floating) else dtype
+
+
+def reduced(dtype) -> bool:
+    """Whether arrays of `dtype` hold a reduced-precision float (kernels read them widened)."""
+    return np.dtype(dtype) == HALF
 
 
 class Underflow:
@@ -62,10 +84,10 @@ GRID = np.float32(0.75)
 SMALL = 4096  # below this many elements the two casts beat the dozen arithmetic passes
 
 
-def rounder(a: np.ndarray, underflow: Underflow | None = None, tensor: int = -1):
-    """A closure rounding `a` in place to float16 values; with `underflow`, it
-    also counts the elements that became zero, under `tensor`."""
-    begin_kernel()
+def round_in_place(a: np.ndarray, underflow: Underflow | None = None, tensor: int = -1):
+    """A closure rounding the float32 array `a` in place to float16 values; with
+    `underflow`, it also counts the elements that became zero, under `tensor`.
+    Its scratch joins the layout of the kernel being built."""
     return (_cast_rounder if a.size < SMALL else _arithmetic_rounder)(a, underflow, tensor)
 
 
@@ -78,6 +100,7 @@ def _cast_rounder(a: np.ndarray, underflow: Underflow | None, tensor: int):
         np.copyto(a, half)
         if underflow is not None:
             underflow.add(tensor, before - np.count_nonzero(a), a.size)
+        return False
     return step
 
 
@@ -98,8 +121,7 @@ def _arithmetic_rounder(a: np.ndarray, underflow: Underflow | None, tensor: int)
         if underflow is not None:
             count_lost()
         if not mag.max() < F16_ROUNDS_TO_INF:
-            cast()
-            return
+            return cast()
         np.multiply(a, SPLIT, out=split)
         np.subtract(split, a, out=grid)
         np.subtract(split, grid, out=split)
@@ -110,4 +132,89 @@ def _arithmetic_rounder(a: np.ndarray, underflow: Underflow | None, tensor: int)
         np.multiply(split, normal, out=split)
         np.multiply(grid, subnormal, out=grid)
         np.add(split, grid, out=a)
+        return True
+    return step
+
+
+# -- float16 storage ------------------------------------------------------------------------------
+# Narrowing works on the float32 bits a = |x|: in fp16's normal range the
+# float16 bits are (a + 0xFFF + lsb) >> 13 minus the exponent rebias, lsb the
+# bit that becomes the last kept one (round to nearest even); below it, |x| + 0.5
+# lies on float32's 2^-24 grid, so its low bits are the float16 subnormal.
+# Widening shifts the bits back and multiplies by 2^112, which rebiases the
+# exponent and makes float16 subnormals float32 normals, exactly.  Values that
+# round to inf, inf and NaN take numpy's cast (rare).
+F16_MIN_NORMAL_BITS = 0x38800000  # 2^-14
+F16_LOST_BITS = 0x33000000  # 2^-25: 0 < |x| <= this rounds to zero
+HALF_BITS = 0x3F000000  # 0.5
+REBIAS = (127 - 15) << 10
+FROM_HALF_FIELD = np.float32(2.0 ** 112)
+HALF_INF_VALUE = np.float32(2.0 ** 16)  # where float16's inf lands
+
+
+def narrow(src: np.ndarray, dst: np.ndarray, underflow: Underflow | None = None,
+           tensor: int = -1):
+    """A closure storing the float32 array `src` into the float16 array `dst`,
+    rounded to nearest even, counting underflow as `rounder` does; it
+    overwrites `src`.  Both contiguous, of one shape."""
+    def cast_all() -> None:
+        before = np.count_nonzero(src) if underflow is not None else 0
+        np.copyto(dst, src, casting="unsafe")
+        if underflow is not None:
+            underflow.add(tensor, before - np.count_nonzero(dst), src.size)
+    if src.size < SMALL:
+        return cast_all
+    a, out = src.view(np.uint32), dst.view(np.uint16)
+    magnitude = src  # src's bits with the sign cleared
+    normal, subnormal = scratch(src.shape, np.uint32), scratch(src.shape, bool)
+
+    def count_lost() -> None:
+        np.less_equal(a, F16_LOST_BITS, out=subnormal)
+        lost = np.count_nonzero(subnormal)
+        underflow.add(tensor, lost - (a.size - np.count_nonzero(a)), a.size)
+
+    def step():
+        if not (src.max() < F16_ROUNDS_TO_INF and src.min() > -F16_ROUNDS_TO_INF):
+            return cast_all()  # some value rounds to inf, or is inf/NaN
+        np.right_shift(a, 16, out=out, casting="unsafe")
+        np.bitwise_and(out, 0x8000, out=out)  # the sign
+        np.bitwise_and(a, 0x7FFFFFFF, out=a)
+        if underflow is not None:
+            count_lost()
+        np.less(a, F16_MIN_NORMAL_BITS, out=subnormal)
+        np.right_shift(a, 13, out=normal)
+        np.bitwise_and(normal, 1, out=normal)
+        np.add(normal, a, out=normal)
+        np.add(normal, 0xFFF, out=normal)
+        np.right_shift(normal, 13, out=normal)
+        np.subtract(normal, REBIAS, out=normal)
+        np.add(magnitude, 0.5, out=magnitude)
+        np.subtract(a, HALF_BITS, out=a)
+        # normal += (a - normal) * subnormal, in wrapping uint32 arithmetic (a
+        # masked copy is ~100x slower on mixed masks)
+        np.subtract(a, normal, out=a)
+        np.multiply(a, subnormal, out=a)
+        np.add(normal, a, out=normal)
+        np.bitwise_or(out, normal, out=out, casting="unsafe")
+    return step
+
+
+def widen(src: np.ndarray, dst: np.ndarray):
+    """A closure copying the float16 array `src` into the float32 array `dst`
+    (exact), in place in `dst`: sign-extending the float16 bits to 32 and
+    shifting them left by 13 puts the sign on bit 31 and sets bits 28..30 for
+    negative values; clearing those leaves the float32 bits of the value times
+    2^-112.  Both contiguous, of one shape."""
+    if src.size < SMALL:
+        return lambda: np.copyto(dst, src)
+    bits, field = src.view(np.int16), dst.view(np.int32)
+    unsigned = dst.view(np.uint32)
+
+    def step():
+        np.copyto(field, bits)
+        np.left_shift(unsigned, 13, out=unsigned)
+        np.bitwise_and(unsigned, 0x8FFFFFFF, out=unsigned)
+        np.multiply(dst, FROM_HALF_FIELD, out=dst)
+        if not (dst.max() < HALF_INF_VALUE and dst.min() > -HALF_INF_VALUE):
+            np.copyto(dst, src)  # inf/NaN: float16's exponent 31 came out as 2^16 and up
     return step

@@ -78,6 +78,8 @@ class Trainer:
             raise UserError(None, f"--batch-size must be at least 1, got {batch_size}")
         self.batch_size = batch_size
         self.memory = Memory(self.art, batch_size)
+        # the .wof's arrays (views of the file's bytes) are copied: read the runtime's instead
+        self.art.weights = dict(self.memory.param_views)
         self.loss_name = self.art.training.loss
         self.metric = metric or default_metric(self.loss_name)
         if self.metric not in METRICS:

@@ -129,7 +129,7 @@ def test_some_output_channels_with_fp16_weights(tmp_path):
     working = trainer.memory.forward[kernel]
     np.testing.assert_array_equal(working, working.astype(np.float16))
     np.testing.assert_array_equal(trainer.memory.param_views[kernel][:lo],
-                                  trainer.art.weights[kernel][:lo])
+                                  read_wof(result.wof, load_model(result.frozen))[kernel][:lo])
 
 
 def invoke(*args):

@@ -13,7 +13,7 @@ import microtrain.trainer
 from microtrain.arena import held_bytes
 from microtrain.kernels import build
 from microtrain.kernels.workspace import ALIGN, Workspace, begin_kernel, scratch, sharing
-from microtrain.precision import rounder
+from microtrain.precision import round_in_place
 from microtrain.trainer import Trainer
 from trainconf.split import split
 
@@ -116,7 +116,7 @@ def test_fp16_rounding_with_shared_scratch(size):
     want = a.astype(np.float16).astype(np.float32)
     ws = Workspace(1 << 16)
     with sharing(ws):
-        step = rounder(a)
+        step = round_in_place(a)
     ws.buffer.fill(0xFF)
     step()
     np.testing.assert_array_equal(a, want)

@@ -24,7 +24,7 @@ from microtrain.arena import START_ALIGN, held_bytes, linear
 from microtrain.artifacts import Artifacts
 from microtrain.contracts import GraphLinks, MemoryPlan
 from microtrain.executor import Hooks, Memory, _trained_spans, compile_plan, precision
-from microtrain.executor import _float as runtime_dtype
+from microtrain.precision import storage as runtime_dtype
 from microtrain.graph import BATCH, Graph, concrete_shape
 from microtrain.kernels.workspace import sharing
 from microtrain.loss_scale import LossScale
@@ -253,9 +253,9 @@ def _constant_copies(art: Artifacts, half_weights: bool) -> int:
 
 
 def _loaded_files(art: Artifacts, files: dict[str, int]) -> int:
-    """Bytes of the loaded files the runtime keeps: the .wof (its arrays are views
-    of it) and each model whose constants it reads (views of the file's bytes)."""
-    kept = {"wof": True, "frozen": any(t.data is not None for t in art.forward.tensors),
+    """Bytes of the loaded files the runtime keeps: each model whose constants it
+    reads (views of the file's bytes); the .wof is dropped once its arrays are copied."""
+    kept = {"wof": False, "frozen": any(t.data is not None for t in art.forward.tensors),
             "backprop": any(t.data is not None for t in art.backprop.tensors)}
     return sum(size for name, size in files.items() if kept[name])
 
@@ -275,7 +275,7 @@ def peak(art: Artifacts, batch: int, optimizer: str, files: dict[str, int],
         "other_tensors": _own_arrays(art, batch),
         # the fp32 master (with frozen rows), its copy at each epoch's start (restored if
         # the run diverges) and, with fp16 weights, the working copy the graphs read
-        "weights": 4 * stored + 4 * trained + (4 * stored if half else 0),
+        "weights": 4 * stored + 4 * trained + (2 * stored if half else 0),
         # the step's gradients, and their running sum when accumulating
         "gradients": 4 * trained * (2 if accum_steps > 1 else 1),
         "optimizer_state": optimizer_bytes(optimizer, trained),

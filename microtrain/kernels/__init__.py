@@ -36,6 +36,13 @@ def build(name: str, inputs: list[np.ndarray | None], outputs: list[np.ndarray],
           **options) -> Step:
     """Prepare the kernel `name` over fixed buffers; returns the step closure."""
     begin_kernel()
+    return prepare(name, inputs, outputs, **options)
+
+
+def prepare(name: str, inputs: list[np.ndarray | None], outputs: list[np.ndarray],
+            **options) -> Step:
+    """build() within the scratch layout already begun (by a caller that takes
+    scratch of its own around the kernel)."""
     return KERNELS[name](inputs, outputs, **options)
 
 
