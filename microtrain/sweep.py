@@ -282,9 +282,13 @@ class Sweep:
             raise UserError(None, "--grid names an option twice")
         if not self.axes:
             raise UserError(None, "nothing to sweep: give --grid 'NAME=V1,V2 ...'")
+        if settings.search == "tpe" and (settings.jobs > 1 or settings.halving):
+            raise UserError(None, "--search tpe runs one trial at a time and prunes it epoch "
+                                  "by epoch itself: leave out --jobs and --halving")
         self.base = options.argv(fixed) + ([] if "seed" in keys else
                                            ["--seed", str(settings.seed)])
         self.candidates = self._candidates()
+        self.rungs = self._rungs() if settings.halving else None
         kw = options.kwargs(self.base)
         trainer, xs, ts, test = session.prepare(kw)
         self.metric = trainer.metric
@@ -390,7 +394,7 @@ class Sweep:
     def _run_halving(self, on_trial) -> None:
         """Successive halving: every candidate trains a few epochs, the better half
         trains on (resumed from its checkpoint) to twice as many, until the full epochs."""
-        budgets = self._rungs()
+        budgets = self.rungs
         rungs = len(budgets)
         done = {(r["trial"], r["rung"]): r for r in self.log.trials}
         survivors = list(range(len(self.candidates)))
@@ -421,7 +425,7 @@ class Sweep:
         if not self.settings.halving:
             return self.count()
         n, total = len(self.candidates), 0
-        for _ in self._rungs():
+        for _ in self.rungs:
             total, n = total + n, math.ceil(n / 2)
         return total
 
@@ -464,9 +468,6 @@ class Sweep:
         the summary (also appended to the log)."""
         if self.log.summary:
             return self.log.summary
-        if self.settings.jobs > 1 and self.settings.search == "tpe":
-            raise UserError(None, "--search tpe runs one trial at a time (Optuna prunes it "
-                                  "epoch by epoch): leave out --jobs")
         self.work.mkdir(exist_ok=True)
         if self.settings.search == "tpe":
             self._run_tpe(on_trial)

@@ -236,12 +236,16 @@ def test_halving_trains_the_better_half_on_and_reproduces(frozen, tmp_path):
     (["--grid", "learning-rate=0.1:0.01", "--random", 2], "needs 0 < LOW < HIGH"),
     (["--grid", "optimizer=sgd,nope"], "'nope' is not one of"),
     (["--grid", "epochs=1", "--input", "nope.npy"], "nope.npy"),
+    (["--grid", "learning-rate=1e-3:1e-1", "--search", "tpe", "--jobs", 2],
+     "leave out --jobs and --halving"),
+    (["--grid", "learning-rate=0.01 epochs=1,2", "--halving"], "give one value of epochs"),
 ])
 def test_bad_sweeps_are_one_error_line(frozen, args, message):
     result = sweep(frozen, *args)
     assert result.exit_code != 0
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], lines
+    assert not frozen.with_name("mlp.sweep.jsonl").exists()
 
 
 def test_a_log_of_another_sweep_is_refused(frozen):
