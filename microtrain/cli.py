@@ -4,16 +4,12 @@ import sys
 import click
 
 from . import session
-from .cli_common import CommandGroup, print_json
+from .cli_common import CommandGroup, defaults_text, parameter_options, print_json
 from .loss_scale import ADAPTIVE_DEFAULTS, DYNAMIC_DEFAULTS
 from .metrics import METRICS
-from .optimizers import DEFAULTS as OPTIMIZER_DEFAULTS, OPTIMIZERS
 from .schedules import DEFAULTS as SCHEDULE_DEFAULTS, SCHEDULES
 
-
-def _defaults_text(table: dict) -> str:
-    return "; ".join(f"{name}: " + (", ".join(f"{k}={v}" for k, v in opts.items()) or "-")
-                     for name, opts in table.items())
+RECORDED = "the frozen model's training parameters (recorded by trainconf split)"
 
 
 def _shapes(ctx, param, texts) -> tuple:
@@ -40,8 +36,7 @@ def data_options(fn):
                           "a model with several inputs, in the model's input order."),
         click.option("--input-shape", "input_shapes", multiple=True, callback=_shapes,
                      help="Shape of one sample of a raw .bin input, e.g. 8,8,1 (one per --input)."),
-        click.option("--batch-size", default=32, show_default=True, type=click.IntRange(1),
-                     help="Samples per step; a partial last batch is used, not dropped."),
+        parameter_options(RECORDED, ["batch_size"]),
         click.option("--json", "as_json", is_flag=True,
                      help="Print JSON only on stdout (one object per line)."),
     ]
@@ -75,23 +70,14 @@ def main():
 @click.option("--test-target", "test_targets", multiple=True, help="Test-set targets.")
 @click.option("--validation-split", type=click.FloatRange(0, 1, min_open=True, max_open=True),
               help="Hold out this last fraction of the training data as the test set (as Keras).")
-@click.option("--epochs", default=5, show_default=True, type=click.IntRange(1), help="Epochs to train.")
+@parameter_options(RECORDED, ["epochs"])
 @click.option("--shuffle/--no-shuffle", default=True, show_default=True,
               help="Shuffle the training samples every epoch.")
 @click.option("--seed", type=int, help="Seed of the shuffling order. Default: random.")
-@click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adam", show_default=True,
-              help="Update rule, as Keras 3's. Defaults: " + _defaults_text(OPTIMIZER_DEFAULTS))
-@click.option("--learning-rate", type=float, help="Base learning rate. Default: the optimizer's.")
-@click.option("--momentum", type=float, help="Momentum (sgd, momentum, nesterov, rmsprop).")
-@click.option("--beta1", "beta_1", type=float, help="First-moment decay (adam, adamw, adamax, nadam).")
-@click.option("--beta2", "beta_2", type=float, help="Second-moment decay (adam, adamw, adamax, nadam).")
-@click.option("--epsilon", type=float, help="Numerical-stability epsilon.")
-@click.option("--rho", type=float, help="Squared-gradient decay (rmsprop).")
-@click.option("--weight-decay", type=float,
-              help="Decoupled weight decay, w -= w * weight_decay * lr before each update.")
+@parameter_options(RECORDED, ["optimizer", "hyperparameters"])
 @click.option("--lr-schedule", type=click.Choice(SCHEDULES), default="constant", show_default=True,
               help="Learning-rate schedule over optimizer steps. Parameter defaults: "
-                   + _defaults_text(SCHEDULE_DEFAULTS))
+                   + defaults_text(SCHEDULE_DEFAULTS))
 @click.option("--decay-steps", type=click.IntRange(1), help="Schedule: steps per decay / cosine length.")
 @click.option("--decay-rate", type=float, help="Schedule step: factor applied every decay-steps.")
 @click.option("--alpha", type=float, help="Schedule cosine/linear-warmup: final fraction of the lr.")
@@ -136,7 +122,7 @@ def main():
 def run(**kw):
     """Train FROZEN with its .wof and backprop graph; write the improved weights back."""
     as_json = kw["as_json"]
-    summary = session.run(**kw, on_epoch=_epoch_printer(as_json, kw["epochs"]),
+    summary = session.run(**kw, on_epoch=_epoch_printer(as_json),
                           progress=_progress if sys.stderr.isatty() and not as_json else None)
     if as_json:
         print_json(summary)
@@ -147,14 +133,15 @@ def run(**kw):
 MIXED_PRECISION_KEYS = ("loss_scale", "skipped_steps", "grad_underflow", "grad_underflow_all")
 
 
-def _epoch_line(record: dict, epochs: int) -> str:
+def _epoch_line(record: dict) -> str:
     """onert_train-like: epoch, ms/step, loss and metrics; the mixed-precision
     diagnostics only when something was scaled, skipped or lost."""
     quiet = record["loss_scale"] == 1.0 and not record["skipped_steps"] \
         and not record["grad_underflow_all"]
-    parts = [f"Epoch {record['epoch']}/{epochs}", f"{record['ms_per_step']:.3f} ms/step"]
+    parts = [f"Epoch {record['epoch']}/{record['epochs']}", f"{record['ms_per_step']:.3f} ms/step"]
     for key, value in record.items():
-        if key in ("epoch", "ms_per_step", "loss_scale_by_tensor", "grad_underflow_by_tensor") or \
+        if key in ("epoch", "epochs", "ms_per_step", "loss_scale_by_tensor",
+                   "grad_underflow_by_tensor") or \
                 (quiet and key in MIXED_PRECISION_KEYS):
             continue
         if isinstance(value, dict):
@@ -163,12 +150,12 @@ def _epoch_line(record: dict, epochs: int) -> str:
     return " - ".join(parts)
 
 
-def _epoch_printer(as_json: bool, epochs: int):
+def _epoch_printer(as_json: bool):
     def show(record: dict) -> None:
         if as_json:
             print_json(record)
         else:
-            click.echo(_epoch_line(record, epochs))
+            click.echo(_epoch_line(record))
     return show
 
 

@@ -5,7 +5,9 @@ import json
 
 import click
 
+from .contracts import TrainingParameters
 from .errors import UserError
+from .optimizers import DEFAULTS as OPTIMIZER_DEFAULTS, OPTIMIZERS
 
 
 class CommandGroup(click.Group):
@@ -25,3 +27,54 @@ def print_json(document) -> None:
     """Print one JSON document on one line of stdout, so that a stream of them
     (one per epoch, then a summary) is JSON Lines."""
     click.echo(json.dumps(document))
+
+
+def defaults_text(table: dict) -> str:
+    return "; ".join(f"{name}: " + (", ".join(f"{k}={v}" for k, v in opts.items()) or "-")
+                     for name, opts in table.items())
+
+
+# The training parameters' options, as both command lines offer them; unset they
+# are None, so the caller can take each from a record (microtrain.parameters).
+_HYPERPARAMETERS = [
+    ("--learning-rate", "learning_rate", "Base learning rate."),
+    ("--momentum", "momentum", "Momentum (sgd, momentum, nesterov, rmsprop)."),
+    ("--beta1", "beta_1", "First-moment decay (adam, adamw, adamax, nadam)."),
+    ("--beta2", "beta_2", "Second-moment decay (adam, adamw, adamax, nadam)."),
+    ("--epsilon", "epsilon", "Numerical-stability epsilon."),
+    ("--rho", "rho", "Squared-gradient decay (rmsprop)."),
+    ("--weight-decay", "weight_decay",
+     "Decoupled weight decay, w -= w * weight_decay * lr before each update."),
+]
+
+
+def parameter_options(recorded: str, names=("optimizer", "hyperparameters", "batch_size",
+                                             "epochs"), purpose: str = ""):
+    """Options for the training parameters in `names`, each defaulting to the
+    value `recorded` names (e.g. "the frozen model's"), else the default."""
+    defaults = TrainingParameters()
+
+    def default(value) -> str:
+        return f"  [default: {recorded}, else {value}]"
+    options = {
+        "optimizer": [click.option(
+            "--optimizer", type=click.Choice(list(OPTIMIZERS)),
+            help=f"Update rule, as Keras 3's{purpose}." + default(defaults.optimizer)
+                 + " Its hyperparameters' defaults: " + defaults_text(OPTIMIZER_DEFAULTS))],
+        "hyperparameters": [click.option(flag, dest, type=float,
+                                         help=text + f"  [default: {recorded} when it names the "
+                                                     "same optimizer, else the optimizer's]")
+                            for flag, dest, text in _HYPERPARAMETERS],
+        "batch_size": [click.option("--batch-size", type=click.IntRange(1),
+                                    help=f"Samples per step{purpose}; a partial last batch is "
+                                         "used, not dropped." + default(defaults.batch_size))],
+        "epochs": [click.option("--epochs", type=click.IntRange(1),
+                                help="Epochs to train." + default(defaults.epochs))],
+    }
+
+    def decorate(fn):
+        for name in reversed(names):
+            for option in reversed(options[name]):
+                fn = option(fn)
+        return fn
+    return decorate

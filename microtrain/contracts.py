@@ -23,7 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origi
 from types import UnionType
 
 from .errors import ContractError
-from .optimizers import OPTIMIZERS
+from .optimizers import DEFAULTS, OPTIMIZERS
 from .precision import TYPES
 
 
@@ -280,6 +280,24 @@ class Precision(Record):
 
 
 @dataclass
+class TrainingParameters(Record):
+    """How to train: what `microtrain run` starts from (its options override it)."""
+    NAME = "parameters"
+    optimizer: Optimizer = doc("the optimizer, as `--optimizer` names it", default="adam")
+    hyperparameters: dict[str, float] = doc(
+        "the optimizer's arguments that were given, by Keras's names (`learning_rate`, "
+        "`beta_1`, ...); the others take the optimizer's defaults", default={})
+    batch_size: Annotated[int, Range(1, MAX_COUNT)] = doc("samples per step", default=32)
+    epochs: Annotated[int, Range(1, MAX_COUNT)] = doc("epochs to train", default=5)
+
+    def check(self) -> None:
+        unknown = sorted(set(self.hyperparameters) - set(DEFAULTS[self.optimizer]))
+        if unknown:
+            raise self.bad(f"hyperparameters.{unknown[0]}",
+                           f"{self.optimizer} has no such hyperparameter")
+
+
+@dataclass
 class TrainingMeta(Record):
     """The training setup, in the frozen model's `microtrain.training` metadata."""
     NAME = "microtrain.training"
@@ -298,6 +316,9 @@ class TrainingMeta(Record):
     rows: dict[Index, tuple[Index, Index]] = doc(
         "`{t: [lo, hi]}`: trainable tensor t trains only rows lo..hi-1 of its leading axis",
         default={})
+    parameters: TrainingParameters = doc(
+        "the training parameters `trainconf split` recorded (from its options, else the "
+        "input's circle+ CIRCLE_TRAINING, else the defaults)", default_factory=TrainingParameters)
 
     def check(self) -> None:
         if not self.trainable:
@@ -444,5 +465,5 @@ class CheckpointMeta(Record):
 
 
 # Every record stored in a file, in the order schemas/contracts.md lists them.
-RECORDS = [TrainingMeta, Precision, GraphLinks, MemoryPlan, CheckpointMeta, OptimizerState,
+RECORDS = [TrainingMeta, Precision, TrainingParameters, GraphLinks, MemoryPlan, CheckpointMeta, OptimizerState,
            ShufflerState, LossScaleState, RunState]

@@ -87,8 +87,8 @@ def _resume(trainer: Trainer, path) -> tuple[dict, Shuffler]:
 def make_trainer(kw, with_backprop=True) -> Trainer:
     scale = make_loss_scale(kw.get("loss_scale") or "none",
                             **{LOSS_SCALE_KEYS[k]: v for k, v in _given(kw, LOSS_SCALE_KEYS).items()})
-    return Trainer(kw["frozen"], kw.get("wof"), kw.get("backprop"), batch_size=kw["batch_size"],
-                   optimizer=kw.get("optimizer", "adam"),
+    return Trainer(kw["frozen"], kw.get("wof"), kw.get("backprop"), batch_size=kw.get("batch_size"),
+                   optimizer=kw.get("optimizer"), epochs=kw.get("epochs"),
                    lr_schedule=kw.get("lr_schedule", "constant"),
                    schedule_params=_given(kw, SCHEDULE_KEYS), metric=kw.get("metric"),
                    loss_scale=scale, accum_steps=kw.get("accum_steps") or 1,
@@ -125,7 +125,7 @@ def run(on_epoch=None, progress=None, **kw) -> dict:
         if on_epoch:
             on_epoch(record)
 
-    history = trainer.fit(xs, ts, epochs=kw["epochs"], shuffle=kw.get("shuffle", True),
+    history = trainer.fit(xs, ts, shuffle=kw.get("shuffle", True),
                           test=test, on_epoch=epoch_done, rng=rng, progress=progress)
     final = trainer.evaluate(*judge)
     return _save(trainer, kw, baseline, final, history, judged_on="test" if test else "train")
@@ -147,7 +147,7 @@ def _save(trainer: Trainer, kw, baseline: dict, final: dict, history, judged_on:
             f"initial_{metric}": baseline[metric], f"final_{metric}": final[metric],
             "initial_loss": baseline["loss"], "final_loss": final["loss"],
             "improved": improved, "saved": saved, "wof": str(target) if saved else None,
-            "memory_bytes": trainer.memory_bytes(),
+            "memory_bytes": trainer.memory_bytes(), "parameters": trainer.resolved.report(),
             "history": [r["loss"] for r in history], "message": message}
 
 

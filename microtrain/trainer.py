@@ -18,6 +18,7 @@ from .loss_scale import LossScale
 from .precision import Underflow
 from .metrics import HIGHER_IS_BETTER, METRICS, default_metric
 from .optimizers import make_optimizer
+from .parameters import FROZEN_MODEL, resolve
 from .schedules import make_schedule
 from .shuffle import Shuffler
 
@@ -67,13 +68,20 @@ class Totals:
 class Trainer:
     """Trains the weights of a split model in place; see `fit`."""
 
-    def __init__(self, frozen, wof=None, backprop=None, *, batch_size: int = 32,
-                 optimizer: str = "adam", lr_schedule: str = "constant",
+    def __init__(self, frozen, wof=None, backprop=None, *, batch_size: int | None = None,
+                 optimizer: str | None = None, epochs: int | None = None,
+                 lr_schedule: str = "constant",
                  schedule_params: dict | None = None, metric: str | None = None,
                  loss_scale: LossScale | None = None, accum_steps: int = 1,
                  with_backprop: bool = True, **hyperparameters):
+        """`batch_size`, `optimizer`, `epochs` (of `fit`) and the optimizer's
+        hyperparameters default to the training parameters recorded in the frozen
+        model (see microtrain.parameters)."""
         self.art = load_artifacts(frozen, wof, backprop, with_backprop)
         check_supported(self.art)
+        self.resolved = resolve(self.art.training.parameters, FROZEN_MODEL, optimizer, batch_size,
+                                epochs, **hyperparameters)
+        batch_size, optimizer = self.resolved.parameters.batch_size, self.resolved.parameters.optimizer
         if batch_size < 1:
             raise UserError(None, f"--batch-size must be at least 1, got {batch_size}")
         self.batch_size = batch_size
@@ -85,7 +93,8 @@ class Trainer:
         if self.metric not in METRICS:
             raise UserError(None, f"unknown metric {self.metric!r} (choose from {', '.join(METRICS)})")
         self.optimizer_name = optimizer
-        self.optimizer = make_optimizer(optimizer, self.memory.params.size, **hyperparameters)
+        self.optimizer = make_optimizer(optimizer, self.memory.params.size,
+                                        **self.resolved.parameters.hyperparameters)
         self.schedule = make_schedule(lr_schedule, self.optimizer.learning_rate,
                                       **(schedule_params or {}))
         self.scaler = loss_scale or LossScale()
@@ -231,12 +240,15 @@ class Trainer:
                 "grad_underflow_by_tensor": {names[t].name: v for t, v in counts["by_tensor"].items()}}
 
     @quiet
-    def fit(self, inputs, targets, epochs: int = 5, shuffle: bool = True, seed: int | None = None,
+    def fit(self, inputs, targets, epochs: int | None = None, shuffle: bool = True,
+            seed: int | None = None,
             test: tuple | None = None, on_epoch: Callable[[dict], None] | None = None,
             rng: Shuffler | None = None, progress=None) -> list[dict]:
         """Train until `epochs` epochs are done (counting those already done);
-        returns one record per epoch trained now.  `progress(length, label)`, if
-        given, makes a progress bar (a context manager with `update(n)`)."""
+        returns one record per epoch trained now.  `epochs` defaults to the
+        trainer's (see __init__).  `progress(length, label)`, if given, makes a
+        progress bar (a context manager with `update(n)`)."""
+        epochs = self.resolved.parameters.epochs if epochs is None else epochs
         xs, ts = self.check_data(inputs, targets)
         if self.batch_size > len(xs[0]):
             raise UserError(None, f"--batch-size {self.batch_size} is larger than the data set "
@@ -248,6 +260,7 @@ class Trainer:
             np.copyto(self._snapshot, self.memory.params)
             try:
                 record = self._epoch_with_progress(xs, ts, shuffle, rng, progress)
+                record = {"epoch": record["epoch"], "epochs": epochs, **record}
             except Diverged as e:
                 if not np.all(np.isfinite(self.memory.params)):
                     self.memory.params[...] = self._snapshot

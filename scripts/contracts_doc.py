@@ -4,6 +4,7 @@ documentation of every field states what the validator enforces.
     python scripts/contracts_doc.py          # rewrite schemas/contracts.md
     python scripts/contracts_doc.py --check  # exit 1 if it is out of date
 """
+import json
 import sys
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
@@ -70,6 +71,8 @@ def record_text(cls) -> str:
     lines += ["| field | type | required | meaning |", "|---|---|---|---|"]
     for f in fields(cls):
         required = "yes" if f.default is MISSING and f.default_factory is MISSING else "no"
+        if isinstance(f.default, (bool, int, float, str)):
+            required += f" (default `{json.dumps(f.default)}`)"
         lines.append(f"| `{f.name}` | {type_text(hints[f.name])} | {required} | "
                      f"{f.metadata['doc']} |")
     return "\n".join(lines) + "\n"

@@ -3,8 +3,6 @@
 is the original's; fp16 weights go through DEQUANTIZE; a round trip through
 split trains on; what a .tflite cannot hold is refused in one line."""
 import json
-import subprocess
-import sys
 
 import numpy as np
 import onert.infer
@@ -212,10 +210,9 @@ def test_tflite_refuses_a_circle_only_operator_in_one_line(trained, tmp_path):
     frozen = _with_circle_only_operator(trained("mlp")[0], tmp_path)
     wof = sibling(trained("mlp")[0], ".wof")
     out = tmp_path / "m.tflite"
-    result = subprocess.run([sys.executable, "-m", "trainconf.cli", "export", str(frozen),
-                             "--wof", str(wof), "-o", str(out)], capture_output=True, text=True)
-    assert result.returncode == 1 and not out.exists()
-    assert result.stderr == (f"Error: {frozen}: uses the circle-only operator INSTANCE_NORM, "
+    result = CliRunner().invoke(main, ["export", str(frozen), "--wof", str(wof), "-o", str(out)])
+    assert result.exit_code == 1 and not out.exists()
+    assert result.output == (f"Error: {frozen}: uses the circle-only operator INSTANCE_NORM, "
                              "which a .tflite cannot hold: export to .circle instead\n")
     export(frozen, tmp_path / "m.circle", wof=wof)  # circle holds it
     assert graph_of(load_model(tmp_path / "m.circle")).ops[-1].type == "INSTANCE_NORM"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import flatbuffers
 import numpy as np
 
+from microtrain.contracts import TrainingParameters
 from microtrain.errors import UserError
 from microtrain.format import circle_traininfo_generated as ct
 from microtrain.format.model import DECODE_ERRORS, get_metadata, set_metadata
@@ -47,6 +48,13 @@ class CirclePlus:
     epochs: int
     batch_size: int
     trainable_ops: list[int] | None  # operator indices; None: not given (all)
+
+    def parameters(self) -> TrainingParameters:
+        """As our record; an epoch count or batch size of 0 (unset) takes the default."""
+        given = {k: v for k, v in (("epochs", self.epochs), ("batch_size", self.batch_size))
+                 if v > 0}
+        return TrainingParameters(optimizer=self.optimizer, hyperparameters=self.hyperparameters,
+                                  **given)
 
 
 def read_circle_plus(model, path) -> CirclePlus | None:

@@ -4,16 +4,16 @@ from pathlib import Path
 
 import click
 
-from microtrain.cli_common import CommandGroup, print_json
+from microtrain.cli_common import CommandGroup, parameter_options, print_json
 from microtrain.format.model import load_model
-from microtrain.optimizers import OPTIMIZERS
 
 from .backprop import LOSSES, REDUCTIONS
+from .circle_plus import METADATA as CIRCLE_PLUS
 from .export import WEIGHT_TYPES, export
 from .importer import import_tflite
 from .inspect import describe, planned_memory, render_text
 from .memory import peak_text
-from .split import PRECISIONS, split
+from .split import DEFAULT_REDUCTION, DEFAULT_TRAINABLE, PRECISIONS, split
 
 MODEL = click.Path(dir_okay=False, path_type=Path)
 
@@ -40,24 +40,23 @@ JSON_OPTION = click.option("--json", "as_json", is_flag=True,
                            help="Print one JSON document instead of text  [default: text]")
 
 
-def estimate_options(fn):
-    """--optimizer, --batch-size and --accum-steps: what a planned peak memory is
-    estimated for."""
-    fn = click.option("--accum-steps", type=click.IntRange(1), default=1, show_default=True,
-                      help="Batches accumulated per update in the memory estimate (more "
-                           "than 1 holds a second gradient vector), as microtrain run's.")(fn)
-    fn = click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True,
-                      help="Batch size of the memory estimate.")(fn)
-    return click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adam",
-                        show_default=True,
-                        help="Optimizer of the memory estimate (its state per weight).")(fn)
+def estimate_options(recorded: str, names: list[str], purpose: str):
+    """The training parameters in `names` (see microtrain.cli_common.parameter_options),
+    and --accum-steps: what a planned peak memory is estimated for."""
+    def decorate(fn):
+        fn = click.option("--accum-steps", type=click.IntRange(1), default=1, show_default=True,
+                          help="Batches accumulated per update in the memory estimate (more "
+                               "than 1 holds a second gradient vector), as microtrain run's.")(fn)
+        return parameter_options(recorded, names, purpose)(fn)
+    return decorate
 
 
 @main.command("inspect")
 @click.argument("model", type=MODEL)
-@estimate_options
+@estimate_options("the split model's training parameters", ["optimizer", "batch_size"],
+                  " of the memory estimate")
 @JSON_OPTION
-def inspect_command(model: Path, as_json: bool, optimizer: str, batch_size: int,
+def inspect_command(model: Path, as_json: bool, optimizer: str | None, batch_size: int | None,
                     accum_steps: int):
     """Show MODEL (.circle or .tflite): subgraphs, inputs and outputs (with a
     dynamic or fixed batch), every operator, constant tensors and totals; for a
@@ -74,21 +73,37 @@ def inspect_command(model: Path, as_json: bool, optimizer: str, batch_size: int,
         click.echo(render_text(desc))
 
 
+def parameters_text(report: dict) -> str:
+    """One line: the recorded training parameters, and where those not defaulted came from."""
+    p = {k: v["value"] for k, v in report.items()}
+    by_source: dict[str, list[str]] = {}
+    for name, entry in report.items():
+        by_source.setdefault(entry["source"], []).append(name)
+    sources = "; ".join(f"{source}: {', '.join(names)}" for source, names in by_source.items()
+                        if source != "default")
+    sources = f"{sources}; the rest: default" if sources else "all default"
+    return (f"recorded for microtrain run: {p['optimizer']} (learning rate {p['learning_rate']}), "
+            f"batch size {p['batch_size']}, {p['epochs']} epochs  [{sources}]")
+
+
 @main.command("split")
 @click.argument("model", type=MODEL)
 @click.option("-o", "--outdir", type=click.Path(file_okay=False, path_type=Path),
               help="Folder for the three files  [default: MODEL's folder]")
-@click.option("--trainable", default="all", show_default=True,
+@click.option("--trainable",
               help="What trains: all; last:N (the last N weighted ops, counted from the "
-                   "output); or a comma list of weighted-op output names or weight tensor names.")
+                   "output); or a comma list of weighted-op output names or weight tensor names"
+                   f"  [default: {CIRCLE_PLUS}'s trainable_ops when MODEL has it, else "
+                   f"{DEFAULT_TRAINABLE}]")
 @click.option("--freeze-bias", is_flag=True,
               help="Train the kernels of the chosen ops but not their biases.")
 @click.option("--loss", type=click.Choice(LOSSES),
               help="Loss: cce (categorical cross-entropy), sparse_cce, bce, mse or mae  "
-                   "[default: cce when the model ends in SOFTMAX, else mse]")
-@click.option("--reduction", type=click.Choice(REDUCTIONS), default="mean", show_default=True,
+                   f"[default: {CIRCLE_PLUS}'s, else cce when the model ends in SOFTMAX, "
+                   "else mse]")
+@click.option("--reduction", type=click.Choice(REDUCTIONS),
               help="mean: the sum of per-sample losses divided by the batch size (Keras); "
-                   "sum: their sum.")
+                   f"sum: their sum  [default: {CIRCLE_PLUS}'s, else {DEFAULT_REDUCTION}]")
 @click.option("--precision", type=click.Choice(list(PRECISIONS)), default="fp32",
               show_default=True, help="Preset for the three types below.")
 @click.option("--weight-dtype", type=click.Choice(list(PRECISIONS)),
@@ -102,7 +117,9 @@ def inspect_command(model: Path, as_json: bool, optimizer: str, batch_size: int,
               help="Choose what trains so that the planned peak memory fits SIZE (bytes, or "
                    "e.g. 64KiB, 1.5MB): the weighted ops nearest the output first, the lowest "
                    "one possibly only its bias or some output channels. Replaces --trainable.")
-@estimate_options
+@estimate_options(f"MODEL's circle+ {CIRCLE_PLUS}",
+                  ["optimizer", "hyperparameters", "batch_size", "epochs"],
+                  " (recorded for microtrain run; also the memory estimate's)")
 @JSON_OPTION
 def split_command(model: Path, outdir: Path | None, as_json: bool, **options):
     """Write STEM.frozen.circle (the forward graph, trainable weights cut out),
@@ -119,6 +136,7 @@ def split_command(model: Path, outdir: Path | None, as_json: bool, **options):
     if budget:
         click.echo(f"memory budget {budget['bytes']} bytes: trains {budget['text']}")
     click.echo(peak_text(summary["memory"]))
+    click.echo(parameters_text(summary["parameters"]))
     for name, f in summary["files"].items():
         click.echo(f"  {name:9} {f['path']}  {f['bytes']} bytes")
 
@@ -134,6 +152,11 @@ def split_command(model: Path, outdir: Path | None, as_json: bool, **options):
               help="fp16: every float32 constant stored as float16 and read through a "
                    "DEQUANTIZE operator, as MediaPipe ships its models (half the bytes; "
                    "LiteRT runs it, onert 0.1.0 does not).")
+@click.option("--traininfo", is_flag=True,
+              help=f"Write the training setup (optimizer and its arguments, loss, reduction, "
+                   f"batch size, epochs, trainable operators) as circle+ {CIRCLE_PLUS} "
+                   "metadata, which onert reads; refused when the setup uses what circle+ "
+                   "cannot hold (see schemas/circle_plus.md).")
 @JSON_OPTION
 def export_command(frozen: Path, as_json: bool, **options):
     """Write FROZEN (a STEM.frozen.circle) with the trained weights of its .wof
@@ -150,7 +173,8 @@ def export_command(frozen: Path, as_json: bool, **options):
         click.echo(f"wrote {summary['path']} ({summary['format']}, {summary['weights']} weights, "
                    f"batch {summary['batch']}): {summary['operators']} operators, "
                    f"{summary['tensors']} tensors, {summary['trained_tensors']} trained tensors "
-                   f"from the .wof, {summary['bytes']} bytes")
+                   f"from the .wof, {summary['bytes']} bytes"
+                   + (f", with circle+ {CIRCLE_PLUS}" if summary["traininfo"] else ""))
 
 
 if __name__ == "__main__":

@@ -20,10 +20,12 @@ from microtrain.atomic import atomic_write
 from microtrain.errors import UserError
 from microtrain.format import circle_generated as circle
 from microtrain.format.model import (TYPE_NAMES, add_operator_code, enum_names, int_list,
-                                     load_model, model_to_bytes, op_name)
+                                     load_model, model_to_bytes, op_name, remove_metadata)
 from microtrain.graph import BATCH, graph_of
 
+from .circle_plus import METADATA as CIRCLE_PLUS, set_circle_plus, to_circle_plus
 from .importer import TFLITE_VERSION
+from .select import weighted_ops
 from .split import activations
 from .writer import set_constant
 
@@ -40,6 +42,7 @@ class ExportResult:
     format: str  # "circle" or "tflite"
     weights: str  # "fp32" or "fp16"
     batch: str  # "dynamic" or "1"
+    traininfo: bool  # carries circle+ CIRCLE_TRAINING
     trained_tensors: int
     tensors: int
     operators: int
@@ -49,9 +52,10 @@ class ExportResult:
         return {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items()}
 
 
-def export(frozen, output, wof=None, weights: str = "fp32") -> ExportResult:
+def export(frozen, output, wof=None, weights: str = "fp32", traininfo: bool = False) -> ExportResult:
     """Write FROZEN with the weights of `wof` (default STEM.wof beside it) to
-    `output`, whose suffix (.circle or .tflite) chooses the format."""
+    `output`, whose suffix (.circle or .tflite) chooses the format.  With
+    `traininfo`, the training setup goes along as circle+ CIRCLE_TRAINING."""
     frozen, output = Path(frozen), Path(output)
     identifier = IDENTIFIERS.get(output.suffix)
     if identifier is None:
@@ -64,9 +68,20 @@ def export(frozen, output, wof=None, weights: str = "fp32") -> ExportResult:
         set_constant(model, t, np.asarray(value, np.float32))
     batch = art.training.batch
     restore_activations(model, batch)
-    model.metadata = [m for m in model.metadata or () if m.name != TRAINING_META]
+    remove_metadata(model, TRAINING_META)
+    remove_metadata(model, CIRCLE_PLUS)
+    trainable_ops = trainable_operators(model, set(art.weights))
     if weights == "fp16":
-        dequantize_weights(model)
+        shift = dequantize_weights(model)
+        trainable_ops = [i + shift for i in trainable_ops]
+    if traininfo:
+        t, p = art.training, art.training.parameters
+        try:
+            set_circle_plus(model, to_circle_plus(p.optimizer, p.hyperparameters, t.loss,
+                                                  t.reduction, p.epochs, p.batch_size,
+                                                  trainable_ops))
+        except UserError as e:
+            raise e.at(frozen) from None
     prune(model)
     if identifier == b"TFL3":
         check_tflite(model, frozen)
@@ -74,7 +89,7 @@ def export(frozen, output, wof=None, weights: str = "fp32") -> ExportResult:
     data = model_to_bytes(model, identifier)
     atomic_write(output, data)
     return ExportResult(output, output.suffix[1:], weights, "dynamic" if batch == BATCH else "1",
-                        len(art.weights), len(model.subgraphs[0].tensors),
+                        traininfo, len(art.weights), len(model.subgraphs[0].tensors),
                         len(model.subgraphs[0].operators), len(data))
 
 
@@ -98,10 +113,20 @@ def restore_activations(model, batch: int) -> None:
                 set_constant(model, op.inputs[1], shape)
 
 
-def dequantize_weights(model) -> None:
+def trainable_operators(model, trained: set[int]) -> list[int]:
+    """circle+'s trainable_ops: every operator from the lowest one whose weights
+    train to the last, except weighted operators whose weights stay frozen."""
+    g = graph_of(model)
+    weighted = {op.index: bool(trained & set(op.inputs)) for op in weighted_ops(g)}
+    lowest = min(i for i, trains in weighted.items() if trains)
+    return [i for i in range(lowest, len(g.ops)) if weighted.get(i, True)]
+
+
+def dequantize_weights(model) -> int:
     """Store every float32 constant an operator reads as float16, read through a
     DEQUANTIZE operator that restores it to float32 at load time (what TFLite's
-    float16 quantization writes, and how MediaPipe ships its models)."""
+    float16 quantization writes, and how MediaPipe ships its models).  Returns
+    the number of DEQUANTIZE operators, placed first."""
     sg = model.subgraphs[0]
     read = {t for op in sg.operators for t in int_list(op.inputs) if t >= 0}
     code = add_operator_code(model, "DEQUANTIZE")
@@ -122,6 +147,7 @@ def dequantize_weights(model) -> None:
         dequantize.append(circle.OperatorT(opcodeIndex=code, inputs=[len(sg.tensors) - 1],
                                            outputs=[t]))
     sg.operators = dequantize + list(sg.operators)
+    return len(dequantize)
 
 
 def prune(model) -> None:

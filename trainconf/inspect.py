@@ -35,15 +35,18 @@ def describe(model: circle.ModelT) -> dict:
     }
 
 
-def planned_memory(path: Path, model: circle.ModelT, batch: int, optimizer: str,
+def planned_memory(path: Path, model: circle.ModelT, batch: int | None, optimizer: str | None,
                    accum_steps: int = 1) -> dict | None:
     """The planned peak of a training step for a frozen model written by
-    `trainconf split` whose .wof and backprop graph lie beside it; else None."""
+    `trainconf split` whose .wof and backprop graph lie beside it; else None.
+    `batch` and `optimizer` default to the model's recorded training parameters."""
     files = {"frozen": Path(path), "wof": sibling(Path(path), ".wof"),
              "backprop": sibling(Path(path), ".backprop.circle")}
     if get_metadata(model, TRAINING_META) is None or not all(f.exists() for f in files.values()):
         return None
     art = load_artifacts(path)
+    recorded = art.training.parameters
+    batch, optimizer = batch or recorded.batch_size, optimizer or recorded.optimizer
     plan = art.links.memory
     if plan is None:
         return None

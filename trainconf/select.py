@@ -46,8 +46,11 @@ def _named(g: Graph, ops: list[Op], names: list[str], freeze_bias: bool) -> list
     return chosen
 
 
-def select_trainable(g: Graph, spec: str, freeze_bias: bool = False) -> list[int]:
-    """Trainable tensor indices in execution order."""
+def select_trainable(g: Graph, spec: str | set[int], freeze_bias: bool = False) -> list[int]:
+    """Trainable tensor indices in execution order.  `spec` is a --trainable
+    text, or the output tensors of the operators circle+'s trainable_ops names."""
+    if isinstance(spec, set):
+        return select_by_outputs(g, spec, freeze_bias)
     ops = weighted_ops(g)
     if not ops:
         raise UserError(None, f"the model has no weighted operator ({', '.join(WEIGHTED)}) "

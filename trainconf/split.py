@@ -7,14 +7,18 @@ import numpy as np
 
 from microtrain.artifacts import Artifacts, fingerprint
 from microtrain.atomic import atomic_write
-from microtrain.contracts import GraphLinks, Precision, TrainingMeta
+from microtrain.contracts import GraphLinks, Precision, TrainingMeta, TrainingParameters
 from microtrain.errors import UserError
-from microtrain.format.model import buffer_array, load_model, model_to_bytes, set_metadata
+from microtrain.format.model import (buffer_array, load_model, model_to_bytes, remove_metadata,
+                                     set_metadata)
 from microtrain.format.wof import wof_to_bytes
 from microtrain.graph import BATCH, Graph, graph_of
+from microtrain.optimizers import make_optimizer
+from microtrain.parameters import Resolved, resolve
 
 from .backprop import LOGITS_OF, LOSSES, REDUCTIONS, Backprop, Builder, build_backprop
 from .budget import fit_budget, parse_size
+from .circle_plus import METADATA as CIRCLE_PLUS, read_circle_plus
 from .fold import fold_shape_chains
 from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .operators import FOLDS, ROW_GRADS
@@ -33,6 +37,7 @@ class SplitResult:
     reduction: str
     precision: dict
     memory: dict  # the planned peak of a training step, by part (trainconf.memory.peak)
+    parameters: dict  # the recorded training parameters: {name: {"value", "source"}}
 
     def summary(self) -> dict:
         files = {k: {"path": str(p), "bytes": p.stat().st_size}
@@ -41,7 +46,7 @@ class SplitResult:
                 "trainable_parameters": sum(t["parameters"] for t in self.trainable),
                 "trainable": self.trainable, "backprop_ops": self.backprop_ops,
                 "loss": self.loss, "reduction": self.reduction, "precision": self.precision,
-                "memory": self.memory, "files": files}
+                "memory": self.memory, "parameters": self.parameters, "files": files}
 
 
 def activations(g: Graph) -> set[int]:
@@ -139,37 +144,82 @@ def output_paths(model_path: Path, out_dir: Path | None) -> tuple[Path, Path, Pa
     return out / f"{stem}.frozen.circle", out / f"{stem}.wof", out / f"{stem}.backprop.circle"
 
 
-def split(model_path, out_dir=None, trainable: str = "all", loss: str | None = None,
-          reduction: str = "mean", freeze_bias: bool = False, precision: str = "fp32",
+DEFAULT_TRAINABLE = "all"
+DEFAULT_REDUCTION = "mean"
+
+
+def split(model_path, out_dir=None, trainable: str | None = None, loss: str | None = None,
+          reduction: str | None = None, freeze_bias: bool = False, precision: str = "fp32",
           weight_dtype: str | None = None, activation_dtype: str | None = None,
           grad_dtype: str | None = None, memory_budget: str | int | None = None,
-          optimizer: str = "adam", batch_size: int = 32, accum_steps: int = 1) -> SplitResult:
+          optimizer: str | None = None, batch_size: int | None = None, accum_steps: int = 1,
+          epochs: int | None = None, **hyperparameters) -> SplitResult:
     """Write STEM.frozen.circle, STEM.wof and STEM.backprop.circle for MODEL.
-    The planned peak memory is estimated for `batch_size`, `optimizer` and
-    `accum_steps` (batches accumulated per update); with
-    `memory_budget` (bytes, or a size such as "64KiB") what trains is chosen so
-    that it fits (trainconf/budget.py) instead of by `trainable`."""
+    What is not given (None) comes from the model's circle+ CIRCLE_TRAINING when
+    it has one, else the defaults; the training parameters (optimizer and its
+    hyperparameters, batch size, epochs) are recorded for `microtrain run`.
+    The planned peak memory is estimated for the batch size, the optimizer and
+    `accum_steps` (batches accumulated per update); with `memory_budget`
+    (bytes, or a size such as "64KiB") what trains is chosen so that it fits
+    (trainconf/budget.py) instead of by `trainable`."""
     model_path = Path(model_path)
     try:
         types = resolve_precision(precision, weight_dtype, activation_dtype, grad_dtype)
-        if batch_size < 1:
-            raise UserError(None, f"--batch-size must be at least 1, got {batch_size}")
+        setup = training_setup(model_path, trainable, loss, reduction,
+                               optimizer, batch_size, epochs, hyperparameters)
+        params = setup.resolved.parameters
 
         def make(choose) -> Built:
-            return build(model_path, choose, loss, reduction, types, batch_size)
+            return build(model_path, choose, setup.loss, setup.reduction, types,
+                         params.batch_size, params)
         if memory_budget is None:
-            built = make(lambda g: (select_trainable(g, trainable, freeze_bias), {}))
+            built = make(lambda g: (select_trainable(g, setup.trainable, freeze_bias), {}))
             budget = None
         else:
-            if trainable != "all" or freeze_bias:
+            if trainable is not None or freeze_bias:
                 raise UserError(None, "--memory-budget chooses what trains: leave out "
                                       "--trainable and --freeze-bias")
             graph = load_prepared(model_path, types)[1]
-            built, budget = fit_budget(make, graph, parse_size(memory_budget), batch_size,
-                                       optimizer, accum_steps)
-        return write(built, model_path, out_dir, batch_size, optimizer, budget, accum_steps)
+            built, budget = fit_budget(make, graph, parse_size(memory_budget), params.batch_size,
+                                       params.optimizer, accum_steps)
+        return write(built, model_path, out_dir, setup, budget, accum_steps)
     except UserError as e:
         raise e.at(model_path) from None
+
+
+@dataclass
+class Setup:
+    """What to train and how, before the graph is split."""
+    trainable: str | set[int]  # a --trainable spec, or circle+'s operators by output tensor
+    loss: str | None  # None: by the model's last operator (default_loss)
+    reduction: str
+    resolved: Resolved  # the training parameters and where each came from
+
+
+def training_setup(model_path: Path, trainable, loss, reduction, optimizer, batch_size, epochs,
+                   hyperparameters: dict) -> Setup:
+    """The given choices, else the model's circle+ CIRCLE_TRAINING's, else the defaults."""
+    model = load_model(model_path)
+    plus = read_circle_plus(model, model_path)
+    resolved = resolve(plus.parameters() if plus else None, CIRCLE_PLUS, optimizer, batch_size,
+                       epochs, **hyperparameters)
+    p = resolved.parameters
+    make_optimizer(p.optimizer, 1, **p.hyperparameters)  # refuses unknown hyperparameters
+    if trainable is None and plus and plus.trainable_ops is not None:
+        trainable = operator_outputs(graph_of(model), plus.trainable_ops)
+    if plus:
+        loss, reduction = loss or plus.loss, reduction or plus.reduction
+    return Setup(DEFAULT_TRAINABLE if trainable is None else trainable, loss,
+                 reduction or DEFAULT_REDUCTION, resolved)
+
+
+def operator_outputs(g: Graph, operators: list[int]) -> set[int]:
+    """The first output of each operator: it names the operator across folding."""
+    for i in operators:
+        if not 0 <= i < len(g.ops):
+            raise UserError(None, f"{CIRCLE_PLUS}'s trainable_ops names operator {i}, but the "
+                                  f"model has {len(g.ops)}")
+    return {g.ops[i].outputs[0] for i in operators}
 
 
 @dataclass
@@ -198,12 +248,14 @@ def load_prepared(model_path: Path, types: dict):
     return model, g, batch
 
 
-def build(model_path: Path, choose, loss, reduction, types, batch_size: int) -> Built:
+def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
+          parameters: TrainingParameters | None = None) -> Built:
     """Split the model at `model_path`; `choose(graph)` returns the trainable
     tensors (in execution order) and the rows {tensor: (lo, hi)} of those that
     train only some of their rows.  The kernel scratch is measured at batch 1
-    and `batch_size`."""
+    and `batch_size`.  `parameters` are recorded for microtrain run."""
     model, g, model_batch = load_prepared(model_path, types)
+    remove_metadata(model, CIRCLE_PLUS)  # its operator indices predate the folding
     weights, rows = choose(g)
     loss = loss or default_loss(g)
     if loss not in LOSSES or reduction not in REDUCTIONS:
@@ -216,7 +268,7 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int) -> 
     training = TrainingMeta(version=TrainingMeta.VERSION, loss=loss, reduction=reduction,
                             trainable=list(weights), precision=types, batch=model_batch,
                             stable_logits_loss=last is not None and LOGITS_OF.get(loss) == last.type,
-                            rows=dict(rows))
+                            rows=dict(rows), parameters=parameters or TrainingParameters())
     set_metadata(model, TrainingMeta.NAME, training.to_json())
     frozen_bytes = model_to_bytes(model)
     for t in weights:  # as the runtime reads the frozen model
@@ -259,8 +311,8 @@ def slice_rows(bp: Backprop, g: Graph, rows: dict, grad_dtype) -> None:
         op.index = i
 
 
-def write(built: Built, model_path: Path, out_dir, batch_size: int, optimizer: str,
-          budget: dict | None, accum_steps: int = 1) -> SplitResult:
+def write(built: Built, model_path: Path, out_dir, setup: Setup, budget: dict | None,
+          accum_steps: int = 1) -> SplitResult:
     frozen_path, wof_path, backprop_path = output_paths(model_path, out_dir)
     frozen_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(frozen_path, built.frozen)
@@ -273,9 +325,10 @@ def write(built: Built, model_path: Path, out_dir, batch_size: int, optimizer: s
         lo, hi = built.rows.get(t, (0, shape[0] if shape else 1))
         info.append({"index": t, "name": art.forward.tensors[t].name, "shape": list(shape),
                      "rows": [lo, hi], "parameters": int(np.prod(shape[1:])) * (hi - lo)})
-    memory = built.peak(batch_size, optimizer, accum_steps)
+    params = setup.resolved.parameters
+    memory = built.peak(params.batch_size, params.optimizer, accum_steps)
     if budget:
         memory["budget"] = budget
     return SplitResult(frozen_path, wof_path, backprop_path, info, len(art.backprop.ops),
                        art.training.loss, art.training.reduction, art.training.precision.to_dict(),
-                       memory)
+                       memory, setup.resolved.report())

@@ -292,6 +292,14 @@ def get_metadata(model: circle.ModelT, name: str) -> bytes | None:
     return None
 
 
+def remove_metadata(model: circle.ModelT, name: str) -> None:
+    """Drop the named metadata entry; its buffer stays, emptied."""
+    for m in model.metadata or ():
+        if m.name == name and m.buffer != 0:
+            model.buffers[m.buffer].data = None
+    model.metadata = [m for m in model.metadata or () if m.name != name] or None
+
+
 def set_metadata(model: circle.ModelT, name: str, data: bytes) -> None:
     """Set the named metadata entry, adding it (and its buffer) if new."""
     array = np.frombuffer(bytes(data), np.uint8)
