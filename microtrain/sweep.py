@@ -292,6 +292,7 @@ class Sweep:
         kw = options.kwargs(self.base)
         trainer, xs, ts, test = session.prepare(kw)
         self.metric = trainer.metric
+        self.epochs = trainer.resolved.parameters.epochs  # when the grid does not set them
         self.judged_on = "test" if test else "train"
         baseline = trainer.evaluate(*(test or (xs, ts)))[self.metric]
         self.target = Path(kw["output_wof"] or trainer.art.wof_path)
@@ -416,7 +417,7 @@ class Sweep:
         if epochs and (epochs[0].is_range or len(epochs[0].values) > 1):
             raise UserError(None, "--halving sets the epochs of each rung: give one value "
                                   "of epochs (the last rung's)")
-        total = self.options.kwargs(self._argv(self.candidates[0]))["epochs"]
+        total = self.options.kwargs(self._argv(self.candidates[0]))["epochs"] or self.epochs
         rungs = math.ceil(math.log2(len(self.candidates))) + 1 if self.candidates else 1
         return [max(1, total >> (rungs - 1 - r)) for r in range(rungs)]
 

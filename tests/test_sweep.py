@@ -253,3 +253,10 @@ def test_a_log_of_another_sweep_is_refused(frozen):
     result = sweep(frozen, "--grid", "learning-rate=0.002 epochs=1")
     assert result.exit_code == 1
     assert "was written by another sweep (different space)" in result.output
+
+
+def test_halving_without_epochs_in_the_grid_ends_at_the_recorded_epochs(tmp_path):
+    frozen = split(FIXTURES / "mlp.tflite", tmp_path, epochs=2).frozen
+    trials, summary = sweep_json(frozen, "--grid", "learning-rate=0.001,0.01", "--halving")
+    assert [(t["rung"], t["epochs_total"]) for t in trials] == [(0, 1), (0, 1), (1, 2)]
+    assert "--epochs 2" in summary["command"]
