@@ -77,7 +77,7 @@ def select_by_outputs(g: Graph, outputs: set[int], freeze_bias: bool = False) ->
               for t in _weights_of(op, freeze_bias)]
     if not chosen:
         raise UserError(None, "circle+'s trainable_ops name no weighted operator "
-                              "(FULLY_CONNECTED, CONV_2D, DEPTHWISE_CONV_2D): give --trainable")
+                              f"({', '.join(WEIGHTED)}): give --trainable")
     return _in_first_use_order(g, chosen)
 
 
