@@ -260,3 +260,19 @@ def test_halving_without_epochs_in_the_grid_ends_at_the_recorded_epochs(tmp_path
     trials, summary = sweep_json(frozen, "--grid", "learning-rate=0.001,0.01", "--halving")
     assert [(t["rung"], t["epochs_total"]) for t in trials] == [(0, 1), (0, 1), (1, 2)]
     assert "--epochs 2" in summary["command"]
+
+
+def test_an_interrupted_tpe_search_resumes_from_its_log(frozen, tmp_path):
+    grid = "optimizer=adam,sgd learning-rate=1e-4:1e-1 epochs=2"
+    log, finished = tmp_path / "tpe.jsonl", []
+
+    def interrupt_after_two(record):
+        finished.append(record["trial"])
+        if len(finished) == 2:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        _api_sweep(frozen, log, grid=grid, search="tpe", trials=4).run(interrupt_after_two)
+    summary = _api_sweep(frozen, log, grid=grid, search="tpe", trials=4).run(
+        lambda record: finished.append(record["trial"]))
+    assert finished == [0, 1, 2, 3]
+    assert summary["trials"] == 4 and summary["best"] is not None
