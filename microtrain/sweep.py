@@ -288,11 +288,11 @@ class Sweep:
         self.base = options.argv(fixed) + ([] if "seed" in keys else
                                            ["--seed", str(settings.seed)])
         self.candidates = self._candidates()
-        self.rungs = self._rungs() if settings.halving else None
         kw = options.kwargs(self.base)
         trainer, xs, ts, test = session.prepare(kw)
         self.metric = trainer.metric
         self.epochs = trainer.resolved.parameters.epochs  # when the grid does not set them
+        self.rungs = self._rungs() if settings.halving else None
         self.judged_on = "test" if test else "train"
         baseline = trainer.evaluate(*(test or (xs, ts)))[self.metric]
         self.target = Path(kw["output_wof"] or trainer.art.wof_path)
