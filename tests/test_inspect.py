@@ -56,7 +56,7 @@ def test_cnn_details():
     assert sg["operators"][3]["fused_activation"] is None  # SHAPE has no such option
     kernel = next(c for c in sg["constants"] if c["name"] == "cnn_1/conv1_1/convolution")
     assert kernel == {"index": 8, "name": "cnn_1/conv1_1/convolution", "type": "FLOAT32",
-                      "shape": [8, 3, 3, 1], "parameters": 72, "bytes": 288}
+                      "shape": [8, 3, 3, 1], "parameters": 72, "bytes": 288, "readers": 1}
 
 
 def test_fixed_batch_and_custom_ops():

@@ -8,6 +8,7 @@ from microtrain.format import circle_generated as circle
 from microtrain.format.model import (TYPE_NAMES, enum_names, get_metadata, int_list, op_name,
                                      options_dict)
 
+from .constants import RESOLVERS, is_quantized
 from .memory import measure_scratch, peak, peak_text, scratch_points
 from .operators import spec
 
@@ -58,7 +59,11 @@ def planned_memory(path: Path, model: circle.ModelT, batch: int | None, optimize
 
 def _subgraph(model, s: int, sg) -> dict:
     tensors = sg.tensors or []
-    constants = [_constant(model, t, tensors[t]) for t in range(len(tensors))
+    readers: dict[int, int] = {}
+    for op in sg.operators or ():
+        for t in int_list(op.inputs):
+            readers[t] = readers.get(t, 0) + 1
+    constants = [_constant(model, t, tensors[t], readers.get(t, 0)) for t in range(len(tensors))
                  if _data_size(model, tensors[t])]
     operators = [_operator(model, k, op, tensors) for k, op in enumerate(sg.operators or ())]
     return {
@@ -70,6 +75,7 @@ def _subgraph(model, s: int, sg) -> dict:
         "constants": constants,
         "totals": {"tensors": len(tensors), "operators": len(operators),
                    "constants": len(constants),
+                   "shared_constants": sum(c["readers"] > 1 for c in constants),
                    "parameters": sum(c["parameters"] for c in constants),
                    "bytes": sum(c["bytes"] for c in constants)},
     }
@@ -91,6 +97,24 @@ def _ref(t: int, tensors) -> dict:
     return {"index": t, "name": tensors[t].name if t >= 0 else None}
 
 
+def _training(model, op, tensors) -> str:
+    """training_support, and what quantization or a stored form changes about it:
+    `quantized` (it computes on quantized activations: the model cannot train),
+    `quantized weights` (dynamic-range: its int8 weights are dequantized at
+    split), `folded` for a DEQUANTIZE/DENSIFY of a constant."""
+    name = op_name(model, op)
+    inputs = [tensors[t] for t in int_list(op.inputs) if t >= 0]
+    constant = [_data_size(model, x) > 0 for x in inputs]
+    if any(is_quantized(x) and not c for x, c in zip(inputs, constant)) or \
+            any(is_quantized(tensors[t]) for t in int_list(op.outputs)):
+        return "quantized"
+    if name in RESOLVERS and constant and constant[0]:
+        return "folded"
+    if any(is_quantized(x) and c for x, c in zip(inputs, constant)):
+        return "quantized weights"
+    return training_support(name)
+
+
 def _operator(model, k: int, op, tensors) -> dict:
     options = options_dict(op)
     activation = options.get("fused_activation_function")
@@ -101,7 +125,7 @@ def _operator(model, k: int, op, tensors) -> dict:
         "inputs": [_ref(t, tensors) for t in int_list(op.inputs)],
         "outputs": [_ref(t, tensors) for t in int_list(op.outputs)],
         "options": options,
-        "training": training_support(op_name(model, op)),
+        "training": _training(model, op, tensors),
     }
 
 
@@ -110,10 +134,12 @@ def _data_size(model, tensor) -> int:
     return 0 if data is None else len(data)
 
 
-def _constant(model, t: int, tensor) -> dict:
+def _constant(model, t: int, tensor, readers: int) -> dict:
+    """A constant; `readers` counts the operator inputs reading it (more than one:
+    a shared constant, which `trainconf split` copies for each weighted op)."""
     return {"index": t, "name": tensor.name, "type": TYPE_NAMES.get(tensor.type, tensor.type),
             "shape": int_list(tensor.shape), "parameters": int(np.prod(int_list(tensor.shape))),
-            "bytes": _data_size(model, tensor)}
+            "bytes": _data_size(model, tensor), "readers": readers}
 
 
 # ---------------------------------------------------------------- text
@@ -152,7 +178,8 @@ def _subgraph_lines(sg: dict) -> list[str]:
                   "       out: " + ", ".join(map(_tensor_text, op["outputs"]))]
     lines.append("  constants:")
     lines += [f"    {_tensor_text(c)}  {c['type']} {c['shape']}  {c['parameters']} parameters, "
-              f"{c['bytes']} bytes" for c in sg["constants"]]
-    lines.append(f"  {n['constants']} constant tensors, {n['parameters']} parameters, "
-                 f"{n['bytes']} bytes")
+              f"{c['bytes']} bytes" + (f", shared by {c['readers']} operator inputs"
+                                       if c["readers"] > 1 else "") for c in sg["constants"]]
+    lines.append(f"  {n['constants']} constant tensors ({n['shared_constants']} shared), "
+                 f"{n['parameters']} parameters, {n['bytes']} bytes")
     return lines

@@ -19,6 +19,7 @@ from microtrain.parameters import Resolved, resolve
 from .backprop import LOGITS_OF, LOSSES, REDUCTIONS, Backprop, Builder, build_backprop
 from .budget import fit_budget, parse_size
 from .circle_plus import METADATA as CIRCLE_PLUS, read_circle_plus
+from .constants import resolve_constants, untie_weights
 from .fold import fold_shape_chains
 from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .operators import FOLDS, ROW_GRADS
@@ -241,6 +242,8 @@ def load_prepared(model_path: Path, types: dict):
     """The model and its forward graph with a symbolic batch, folded, typed, and
     the model's own batch (see make_batch_symbolic)."""
     model = load_model(model_path)
+    resolve_constants(model)
+    untie_weights(model)
     g = graph_of(model)
     batch = make_batch_symbolic(model, g)
     g = fold(model, g)

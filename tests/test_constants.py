@@ -1,0 +1,207 @@
+"""trainconf/constants.py: weights stored as fp16 or int8 (behind DEQUANTIZE or
+read directly, dynamic-range) or sparse (behind DENSIFY) become the float32
+values LiteRT computes from them; full-integer models are refused."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ai_edge_litert.interpreter import Interpreter
+
+from microtrain.artifacts import load_artifacts
+from microtrain.errors import UserError
+from microtrain.format import circle_generated as circle
+from microtrain.format.model import (add_operator_code, buffer_array, load_model, model_to_bytes,
+                                     op_name)
+from microtrain.trainer import Trainer
+from trainconf.constants import is_quantized, resolve_constants
+from trainconf.inspect import describe
+from trainconf.split import split
+
+FIXTURES = Path(__file__).parent / "fixtures"
+QUANTIZED = FIXTURES / "quantized"
+REAL = FIXTURES / "real"
+
+
+def _litert(data: bytes, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    it = Interpreter(model_content=data)
+    for d, x in zip(it.get_input_details(), inputs):
+        it.resize_tensor_input(d["index"], x.shape)
+    it.allocate_tensors()
+    for d, x in zip(it.get_input_details(), inputs):
+        it.set_tensor(d["index"], x)
+    it.invoke()
+    return [it.get_tensor(d["index"]) for d in it.get_output_details()]
+
+
+def _tflite(model) -> bytes:
+    return model_to_bytes(model, b"TFL3")
+
+
+def _dequantize_in_litert(model) -> None:
+    """Put a DEQUANTIZE operator in front of every quantized constant a float op
+    reads, so that LiteRT itself computes the float weights (the reference)."""
+    sg = model.subgraphs[0]
+    code = add_operator_code(model, "DEQUANTIZE")
+    front = []
+    for t, tensor in enumerate(list(sg.tensors)):
+        if not is_quantized(tensor) or buffer_array(model, tensor) is None:
+            continue
+        sg.tensors.append(circle.TensorT(shape=list(tensor.shape), type=circle.TensorType.FLOAT32,
+                                         buffer=0, name=f"{tensor.name}/float"))
+        new = len(sg.tensors) - 1
+        for op in sg.operators:
+            op.inputs = [new if i == t else i for i in op.inputs]
+        front.append(circle.OperatorT(opcodeIndex=code, inputs=[t], outputs=[new]))
+    assert front, "no quantized constant"
+    sg.operators = front + sg.operators
+
+
+def _infer(path, x, tmp_path, trainable="last:1") -> np.ndarray:
+    files = split(path, tmp_path, trainable=trainable)
+    return Trainer(files.frozen, batch_size=len(x)).predict([x])[0]
+
+
+X = np.random.default_rng(0).random((5, 8, 8, 1), dtype=np.float32)
+
+
+@pytest.mark.parametrize("trainable", ["last:1", "all"])
+def test_dynamic_range_int8_infers_what_litert_computes_from_the_dequantized_weights(
+        tmp_path, trainable):
+    reference = load_model(QUANTIZED / "dynamic_int8.tflite")
+    _dequantize_in_litert(reference)
+    (expected,) = _litert(_tflite(reference), [X])
+    got = _infer(QUANTIZED / "dynamic_int8.tflite", X, tmp_path, trainable)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_fp16_weights_behind_dequantize(tmp_path):
+    (expected,) = _litert((QUANTIZED / "fp16.tflite").read_bytes(), [X])
+    np.testing.assert_allclose(_infer(QUANTIZED / "fp16.tflite", X, tmp_path, "all"), expected,
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_resolved_model_has_plain_float_weights():
+    model = load_model(QUANTIZED / "fp16.tflite")
+    resolve_constants(model)
+    names = [op_name(model, op) for op in model.subgraphs[0].operators]
+    assert "DEQUANTIZE" not in names and names[0] == "CONV_2D"
+    read = {t for op in model.subgraphs[0].operators for t in op.inputs}
+    for t in read:
+        tensor = model.subgraphs[0].tensors[t]
+        if buffer_array(model, tensor) is not None and tensor.type != circle.TensorType.INT32:
+            assert tensor.type == circle.TensorType.FLOAT32 and tensor.quantization is None
+
+
+def test_mediapipe_fp16_model_infers_as_litert(tmp_path):
+    path = REAL / "face_detection_short_range.tflite"
+    x = np.random.default_rng(1).random((1, 128, 128, 3), dtype=np.float32)
+    expected = _litert(path.read_bytes(), [x])
+    files = split(path, tmp_path, trainable="last:1")
+    got = Trainer(files.frozen, batch_size=1).predict([x])
+    for e, g in zip(expected, got):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5 * np.abs(e).max())
+
+
+def _add_zero(model, t: int, zero: int) -> int:
+    """Append y = t + zero (a [1] input) to the model; returns y."""
+    sg = model.subgraphs[0]
+    sg.tensors.append(circle.TensorT(shape=list(sg.tensors[t].shape), buffer=0, name=f"y{t}",
+                                     type=circle.TensorType.FLOAT32))
+    sg.operators.append(circle.OperatorT(
+        opcodeIndex=add_operator_code(model, "ADD"), inputs=[t, zero],
+        outputs=[len(sg.tensors) - 1],
+        builtinOptionsType=circle.BuiltinOptions.AddOptions, builtinOptions=circle.AddOptionsT()))
+    return len(sg.tensors) - 1
+
+
+def test_densify_gives_the_values_litert_computes():
+    """The sparse MediaPipe model: every DENSIFY → DEQUANTIZE chain's value, added
+    to a zero input so that LiteRT reports it, equals the resolved constant."""
+    path = REAL / "face_detection_full_range_sparse.tflite"
+    model = load_model(path)
+    sg = model.subgraphs[0]
+    producers = {o: op for op in sg.operators for o in op.outputs}
+    chains = [op.outputs[0] for op in sg.operators if op_name(model, op) == "DEQUANTIZE"
+              and op.inputs[0] in producers
+              and op_name(model, producers[op.inputs[0]]) == "DENSIFY"]
+    assert len(chains) == 46
+    sg.tensors.append(circle.TensorT(shape=[1], type=circle.TensorType.FLOAT32, buffer=0,
+                                     name="zero"))
+    zero = len(sg.tensors) - 1
+    sg.inputs = list(sg.inputs) + [zero]
+    sg.outputs = [_add_zero(model, t, zero) for t in chains]
+    image = np.zeros((1, 192, 192, 3), np.float32)
+    expected = _litert(_tflite(model), [image, np.zeros(1, np.float32)])
+    resolved = load_model(path)
+    resolve_constants(resolved)
+    for t, e in zip(chains, expected):
+        value = buffer_array(resolved, resolved.subgraphs[0].tensors[t])
+        np.testing.assert_array_equal(value, e)
+
+
+@pytest.mark.parametrize("dtype, scale, zero, axis", [
+    (np.int8, [0.05], [0], 0),
+    (np.uint8, [0.02], [128], 0),
+    (np.int8, [0.01, 0.02, 0.04], [0, 0, 0], 0),
+    (np.int8, [0.5, 0.25, 0.125, 1.0], [1, -2, 3, 0], 1),
+])
+def test_dequantize_matches_litert(dtype, scale, zero, axis):
+    """A model ADD(x, DEQUANTIZE(c)) with x = 0 reports LiteRT's dequantized c."""
+    values = np.random.default_rng(2).integers(np.iinfo(dtype).min, np.iinfo(dtype).max,
+                                               (3, 4), dtype=dtype)
+    model = circle.ModelT(version=3, buffers=[circle.BufferT(), circle.BufferT()])
+    model.buffers[1].data = np.frombuffer(values.tobytes(), np.uint8)
+    ttype = circle.TensorType.INT8 if dtype == np.int8 else circle.TensorType.UINT8
+    q = circle.QuantizationParametersT(scale=scale, zeroPoint=zero, quantizedDimension=axis)
+    tensors = [circle.TensorT(shape=[3, 4], type=ttype, buffer=1, name="c", quantization=q),
+               circle.TensorT(shape=[3, 4], type=circle.TensorType.FLOAT32, buffer=0, name="w"),
+               circle.TensorT(shape=[3, 4], type=circle.TensorType.FLOAT32, buffer=0, name="x"),
+               circle.TensorT(shape=[3, 4], type=circle.TensorType.FLOAT32, buffer=0, name="y")]
+    ops = [circle.OperatorT(opcodeIndex=add_operator_code(model, "DEQUANTIZE"), inputs=[0],
+                            outputs=[1]),
+           circle.OperatorT(opcodeIndex=add_operator_code(model, "ADD"), inputs=[2, 1],
+                            outputs=[3], builtinOptionsType=circle.BuiltinOptions.AddOptions,
+                            builtinOptions=circle.AddOptionsT())]
+    model.subgraphs = [circle.SubGraphT(tensors=tensors, operators=ops, inputs=[2], outputs=[3])]
+    (expected,) = _litert(_tflite(model), [np.zeros((3, 4), np.float32)])
+    resolve_constants(model)
+    assert [op_name(model, op) for op in model.subgraphs[0].operators] == ["ADD"]
+    np.testing.assert_array_equal(buffer_array(model, model.subgraphs[0].tensors[1]), expected)
+
+
+def test_full_integer_model_is_refused_in_one_line(tmp_path):
+    with pytest.raises(UserError, match=r"full_int8.tflite: a full-integer quantized model "
+                                        r"\(tensor 0 '.*' is INT8 with scales\): only models "
+                                        r"with float activations can train"):
+        split(QUANTIZED / "full_int8.tflite", tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_inspect_marks_quantized_ops():
+    ops = describe(load_model(QUANTIZED / "full_int8.tflite"))["subgraphs"][0]["operators"]
+    assert {op["type"] for op in ops if op["training"] != "quantized"} == \
+        {"STRIDED_SLICE", "PACK"}  # shape computations in int32, folded
+    dynamic = describe(load_model(QUANTIZED / "dynamic_int8.tflite"))["subgraphs"][0]["operators"]
+    assert {op["type"] for op in dynamic if op["training"] == "quantized weights"} == \
+        {"CONV_2D", "FULLY_CONNECTED"}
+
+
+def test_shared_biases_are_untied(tmp_path):
+    """The converter keeps the three convolutions' zero biases as one tensor; each
+    trained operator gets its own, so last:4 trains the depthwise convolution and
+    the dense layers only, not the two convolutions that read the same bias."""
+    sg = describe(load_model(QUANTIZED / "shared_bias.tflite"))["subgraphs"][0]
+    shared = [c for c in sg["constants"] if c["readers"] > 1 and c["type"] == "FLOAT32"]
+    assert [(c["shape"], c["readers"]) for c in shared] == [([16], 3)]
+    assert sg["totals"]["shared_constants"] == 2  # and an int32 shape constant
+    files = split(QUANTIZED / "shared_bias.tflite", tmp_path, trainable="last:4")
+    names = [t["name"] for t in files.trainable]
+    assert names[:2] == ["functional_1_1/depthwise_conv2d_1_1/depthwise",
+                         f"{shared[0]['name']}@op3"]
+    art = load_artifacts(files.frozen)
+    ops = [op.type for op in art.backprop.ops]
+    assert "Conv2DWeightGrad" not in ops and "Conv2DInputGrad" not in ops
+    # the model computes what it computed before
+    (expected,) = _litert((QUANTIZED / "shared_bias.tflite").read_bytes(), [X])
+    got = Trainer(files.frozen, batch_size=len(X)).predict([X])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
