@@ -32,7 +32,8 @@ def require_threadpoolctl():
     try:
         import threadpoolctl
     except ImportError:
-        raise UserError(None, f"limiting BLAS threads needs threadpoolctl: {INSTALL_HINT}") from None
+        raise UserError(None, "limiting BLAS threads needs threadpoolctl: "
+                              f"{INSTALL_HINT}") from None
     return threadpoolctl
 
 

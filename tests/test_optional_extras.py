@@ -34,7 +34,8 @@ def test_run_eval_infer_load_only_numpy_flatbuffers_and_click(tmp_path):
                 ["infer", str(frozen), "--input", str(x), "-o", str(tmp_path / "out.npy")]]
     # packages loaded at start-up (site hooks) are not the runtime's doing
     code = ("import json, sys\n"
-            "def tops(): return {m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names)\n"
+            "def tops():\n"
+            "    return {m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names)\n"
             "before = tops()\n"
             "from microtrain.cli import main\n"
             "main(sys.argv[1:], standalone_mode=False)\n"

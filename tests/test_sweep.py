@@ -276,3 +276,30 @@ def test_an_interrupted_tpe_search_resumes_from_its_log(frozen, tmp_path):
         lambda record: finished.append(record["trial"]))
     assert finished == [0, 1, 2, 3]
     assert summary["trials"] == 4 and summary["best"] is not None
+
+
+def _a_value(param) -> str:
+    """A valid value of a `run` option other than its default, from its click type."""
+    import click
+    if isinstance(param.type, click.Choice):
+        return [c for c in param.type.choices if c != param.default][0]
+    if isinstance(param.type, click.types.BoolParamType):
+        return "false"
+    if isinstance(param.type, click.types.IntParamType):
+        return "3"
+    if isinstance(param.type, click.types.FloatParamType):
+        return "0.25"
+    return "dynamic"  # --loss-scale, the one free-text option
+
+
+def test_every_option_of_run_is_swept_or_taken_by_the_sweep():
+    from microtrain.cli import SWEEP_FIXED, SWEEP_REPLACES
+    names = [p.name for p in SWEEPABLE]
+    assert set(names) | set(SWEEP_FIXED) | set(SWEEP_REPLACES) == {p.name for p in run.params}
+    options = RunOptions(run, names)
+    base = ["model.circle", "--input", "x.npy", "--target", "y.npy"]
+    for param in SWEEPABLE:
+        key = param.opts[0][2:]
+        axis = options.axis(f"{key}={_a_value(param)}")
+        kw = options.kwargs(base + options.argv(options.by_name({key: axis.values[0]})))
+        assert kw[param.name] == axis.values[0] != param.default, key
