@@ -14,7 +14,7 @@ from microtrain.artifacts import load_artifacts
 from microtrain.cli import main as microtrain_main
 from microtrain.errors import UserError
 from microtrain.format import circle_traininfo_generated as ct
-from microtrain.format.model import get_metadata, load_model, save_model, set_metadata
+from microtrain.format.model import get_metadata, load_model, op_name, save_model, set_metadata
 from model_patch import FIXTURES
 from trainconf.circle_plus import (METADATA, CirclePlus, circle_plus_bytes, read_circle_plus,
                                    set_circle_plus, to_circle_plus)
@@ -210,3 +210,22 @@ def test_split_refuses_cross_entropy_from_logits(tmp_path):
     result = CliRunner().invoke(trainconf_main, ["split", str(tmp_path / "logits.circle")])
     assert result.exit_code == 1 and len(result.output.splitlines()) == 1
     assert "asks for cce from logits" in result.output
+
+
+def test_inspect_estimates_for_the_recorded_parameters(tmp_path):
+    frozen = split(FIXTURES / "mlp.tflite", tmp_path, optimizer="sgd", batch_size=8).frozen
+    for args, expected in (([], (8, "sgd")), (["--batch-size", "4", "--optimizer", "adam"],
+                                              (4, "adam"))):
+        result = CliRunner().invoke(trainconf_main, ["inspect", str(frozen), "--json", *args])
+        assert result.exit_code == 0, result.output
+        memory = json.loads(result.output)["memory"]
+        assert (memory["batch_size"], memory["optimizer"]) == expected
+
+
+def test_traininfo_of_an_fp16_export_counts_the_dequantize_operators(tmp_path):
+    frozen = split(FIXTURES / "mlp.tflite", tmp_path, trainable="last:1").frozen
+    export(frozen, tmp_path / "m.circle", weights="fp16", traininfo=True)
+    model = load_model(tmp_path / "m.circle")
+    ops = [op_name(model, op) for op in model.subgraphs[0].operators]
+    assert ops.count("DEQUANTIZE") == 4 and ops[:4] == ["DEQUANTIZE"] * 4  # one per weight
+    assert read_circle_plus(model, "m").trainable_ops == [5, 6]  # the last FC and SOFTMAX
