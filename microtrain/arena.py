@@ -8,6 +8,7 @@ offset, shaped [B, ...], so the leading-rows views of a partial batch stay
 contiguous.
 """
 import functools
+import os
 import types
 
 import numpy as np
@@ -17,6 +18,14 @@ from .errors import UserError
 from .graph import Graph, concrete_shape
 
 START_ALIGN = 64  # the arena's first byte; the plan aligns offsets within it
+
+
+def physical_memory() -> int:
+    """Bytes of memory of this machine (a TiB where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
 
 
 def linear(form, batch: int) -> int:

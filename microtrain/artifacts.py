@@ -4,11 +4,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import PENDING, check_set_complete
 from .contracts import GraphLinks, TrainingMeta
 from .errors import ContractError, UserError
+from .files import read_regular
 from .format.model import get_metadata, model_from_bytes
 from .format.wof import read_wof
-from .graph import Graph, graph_of
+from .graph import BATCH, Graph, check_dataflow, graph_of
 
 try:  # CPython's own SHA-256: hashlib would load OpenSSL (~4 MB resident) just for this
     from _sha2 import sha256  # Python 3.12+
@@ -23,6 +25,27 @@ except ImportError:
 def fingerprint(data: bytes) -> str:
     """The hex SHA-256 by which a backprop graph names its frozen model."""
     return sha256(data).hexdigest()
+
+
+UNSEALED = "0" * 64  # the backprop_sha256 a backprop graph is hashed with
+
+
+def _seal_token(digest: str) -> bytes:
+    return f'"backprop_sha256": "{digest}"'.encode()
+
+
+def seal(data: bytes) -> bytes:
+    """A backprop graph written with backprop_sha256 = UNSEALED, with its digest
+    filled in (64 hex digits for 64: the layout does not move)."""
+    assert data.count(_seal_token(UNSEALED)) == 1
+    return data.replace(_seal_token(UNSEALED), _seal_token(fingerprint(data)))
+
+
+def _check_seal(data: bytes, digest: str, path: Path) -> None:
+    token = _seal_token(digest)
+    if data.count(token) != 1 or fingerprint(data.replace(token, _seal_token(UNSEALED))) != digest:
+        raise UserError(path, "was changed after `trainconf split` wrote it (its contents do not "
+                              "match its backprop_sha256); run `trainconf split` again")
 
 
 # Metadata entries (schemas/contracts.md): the training setup in the frozen model,
@@ -58,17 +81,13 @@ def _record(model, record, path: Path):
     return record.from_json(raw, path)
 
 
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise UserError(path, e.strerror or str(e)) from None
 
 
 def load_artifacts(frozen, wof=None, backprop=None, with_backprop: bool = True) -> Artifacts:
     frozen = Path(frozen)
+    check_set_complete(sibling(frozen, PENDING))
     wof = Path(wof) if wof else sibling(frozen, ".wof")
-    frozen_bytes = _read(frozen)
+    frozen_bytes = read_regular(frozen, "model")
     model = model_from_bytes(frozen_bytes, frozen)
     training = _record(model, TrainingMeta, frozen)
     _check_indices(frozen, TrainingMeta.NAME, "trainable", training.trainable,
@@ -77,7 +96,14 @@ def load_artifacts(frozen, wof=None, backprop=None, with_backprop: bool = True) 
     if set(weights) != set(training.trainable):
         raise UserError(wof, f"holds tensors {sorted(weights)} but {frozen.name} trains "
                              f"tensors {sorted(training.trainable)}: not this model's .wof")
-    art = Artifacts(frozen, wof, None, graph_of(model), training, weights,
+    forward = graph_of(model)
+    check_dataflow(forward, frozen, set(training.trainable))
+    for t in forward.inputs + forward.outputs:
+        if forward.tensors[t].shape[:1] != (BATCH,):
+            raise UserError(frozen, f"model input or output {t} '{forward.tensors[t].name}' has "
+                                    f"shape {list(forward.tensors[t].shape)}, without the batch "
+                                    "dimension (-1) first")
+    art = Artifacts(frozen, wof, None, forward, training, weights,
                     frozen_sha256=fingerprint(frozen_bytes))
     if with_backprop:
         _attach_backprop(art, Path(backprop) if backprop else sibling(frozen, ".backprop.circle"))
@@ -85,8 +111,10 @@ def load_artifacts(frozen, wof=None, backprop=None, with_backprop: bool = True) 
 
 
 def _attach_backprop(art: Artifacts, path: Path) -> None:
-    model = model_from_bytes(_read(path), path)
+    data = read_regular(path, "model")
+    model = model_from_bytes(data, path)
     links = _record(model, GraphLinks, path)
+    _check_seal(data, links.backprop_sha256, path)
     if links.frozen_sha256 != art.frozen_sha256:
         raise UserError(path, f"was generated for another model than {art.frozen_path.name} "
                               "(its frozen-model checksum differs); run `trainconf split` again")
@@ -105,7 +133,28 @@ def _attach_backprop(art: Artifacts, path: Path) -> None:
         if links.memory is not None:
             _check_indices(path, GraphLinks.NAME, f"memory.{graph}",
                            [t for t, *_ in getattr(links.memory, graph)], sizes[graph])
+    _check_shapes(art, backprop, links, path)
+    check_dataflow(backprop, path, {b for b, _ in links.forward} | set(links.targets))
     art.backprop_path, art.backprop, art.links = path, backprop, links
+
+
+def _check_shapes(art: Artifacts, backprop: Graph, links: GraphLinks, path: Path) -> None:
+    """Linked tensors have the shapes of the forward tensors they stand for; one
+    target per model output, shaped like it (class ids: without its last axis)."""
+    where = f"{GraphLinks.NAME}: forward"
+    for b, f in links.forward:
+        if backprop.tensors[b].shape != art.forward.tensors[f].shape:
+            raise ContractError(path, f"backprop tensor {b} has shape {list(backprop.tensors[b].shape)}"
+                                      f" but stands for forward tensor {f} of shape "
+                                      f"{list(art.forward.tensors[f].shape)}", where)
+    if len(links.targets) != len(art.forward.outputs):
+        raise ContractError(path, f"{len(links.targets)} targets for a model of "
+                                  f"{len(art.forward.outputs)} outputs", f"{GraphLinks.NAME}: targets")
+    for t, y in zip(links.targets, art.forward.outputs):
+        shape, out = backprop.tensors[t].shape, art.forward.tensors[y].shape
+        if shape not in (out, out[:-1]):
+            raise ContractError(path, f"target tensor {t} has shape {list(shape)}, the model output "
+                                      f"{list(out)}", f"{GraphLinks.NAME}: targets")
 
 
 def _check_indices(path: Path, record: str, name: str, indices: list[int], n: int) -> None:

@@ -16,6 +16,7 @@ from .atomic import atomic_write
 from .contracts import (CHECKPOINT_FORMAT, CheckpointMeta, LossScaleState, OptimizerState, RunState,
                         ShufflerState)
 from .errors import UserError
+from .files import read_npy, read_zip_member, regular_file
 from .shuffle import Shuffler
 
 _STATE_PREFIX = "optimizer/"
@@ -69,13 +70,12 @@ def load_checkpoint(path, expected_model_sha: str | None) -> Checkpoint:
     """Read a checkpoint; UserError if the file is not one, is damaged, has another
     format version, or belongs to a model other than `expected_model_sha` (None: any)."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(path, "no such checkpoint file")
+    regular_file(path, "checkpoint")
     try:
         with zipfile.ZipFile(path) as archive:
             meta = _read_meta(path, archive)
             _check_model(path, meta, expected_model_sha)
-            arrays = {name: _read_array(archive, name)
+            arrays = {name: _read_array(archive, name, path)
                       for name in ["params", *(_STATE_PREFIX + k for k in meta.optimizer.state)]}
         ckpt = _from_parts(meta, arrays)
     except _DAMAGE as e:
@@ -101,9 +101,10 @@ def _check_model(path: Path, meta: CheckpointMeta, expected: str | None) -> None
                               f"this model is {expected[:12]}...)")
 
 
-def _read_array(archive: zipfile.ZipFile, name: str) -> np.ndarray:
-    with archive.open(name + ".npy") as member:   # zipfile checks the CRC as it reads
-        return np.lib.format.read_array(io.BytesIO(member.read()), allow_pickle=False)
+def _read_array(archive: zipfile.ZipFile, name: str, path: Path) -> np.ndarray:
+    # zipfile checks the CRC as it reads; members are stored, so none is larger than the file
+    return read_npy(read_zip_member(archive, name + ".npy", path, path.stat().st_size),
+                    path, f"member {name}.npy")
 
 
 def _from_parts(meta: CheckpointMeta, arrays: dict[str, np.ndarray]) -> Checkpoint:

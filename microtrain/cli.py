@@ -4,7 +4,7 @@ import sys
 import click
 
 from . import session
-from .cli_common import CommandGroup, defaults_text, parameter_options, print_json
+from .cli_common import FORCE_OPTION, CommandGroup, defaults_text, parameter_options, print_json
 from .loss_scale import ADAPTIVE_DEFAULTS, DYNAMIC_DEFAULTS
 from .metrics import METRICS
 from .schedules import DEFAULTS as SCHEDULE_DEFAULTS, SCHEDULES
@@ -119,6 +119,7 @@ def main():
               show_default=True,
               help="improved: write the weights only if the test metric (the training metric "
                    "without a test set) is better than with the starting weights.")
+@FORCE_OPTION
 def run(**kw):
     """Train FROZEN with its .wof and backprop graph; write the improved weights back."""
     as_json = kw["as_json"]
@@ -295,6 +296,7 @@ def evaluate(**kw):
 @data_options
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Where to write the outputs: OUT.npy (one output) or OUT.npz (several).")
+@FORCE_OPTION
 def infer(**kw):
     """Run FROZEN + .wof forward on the inputs and save the outputs."""
     result = session.infer(**kw)

@@ -11,16 +11,30 @@ from .optimizers import DEFAULTS as OPTIMIZER_DEFAULTS, OPTIMIZERS
 
 
 class CommandGroup(click.Group):
-    """A click group whose commands report UserError and OSError as one line."""
+    """A click group whose commands report UserError, OSError and click's own
+    usage errors (a bad option value) as one line."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except click.UsageError as e:  # click would print the usage block and a hint too
+            raise click.ClickException(one_line(e.format_message())) from None
         except UserError as e:
-            raise click.ClickException(str(e)) from None
+            raise click.ClickException(one_line(str(e))) from None
         except OSError as e:
             where = f"{e.filename}: " if e.filename else ""
-            raise click.ClickException(f"{where}{e.strerror or e}") from None
+            raise click.ClickException(one_line(f"{where}{e.strerror or e}")) from None
+
+
+def one_line(message: str) -> str:
+    """The message with line breaks (e.g. in a file name) escaped, so it stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+
+
+FORCE_OPTION = click.option(
+    "--force", is_flag=True,
+    help="Write over output files that hold another kind of file (a model, weights, a "
+         "checkpoint, an array). Default: refuse, naming the file.")
 
 
 def print_json(document) -> None:

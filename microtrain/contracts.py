@@ -363,6 +363,8 @@ class GraphLinks(Record):
     VERSION = 1
     version: int = doc("1")
     frozen_sha256: Sha256 = doc("SHA-256 of the STEM.frozen.circle it was generated with")
+    backprop_sha256: Sha256 = doc("SHA-256 of this backprop graph's own file with these 64 "
+                                  "digits written as zeros: any edit of the file is detected")
     forward: list[tuple[Index, Index]] = doc(
         "`[b, f]`: backprop tensor b is forward tensor f (they share memory)")
     targets: list[Index] = doc("backprop tensors holding the targets, one per model output")
@@ -437,6 +439,16 @@ class RunState(Record):
     NAME = "extra"
     baseline: dict[str, float] = doc("loss and metric of the starting weights on the set that "
                                      "judges improvement")
+    batch_size: Annotated[int, Range(1, MAX_INDEX)] | None = doc(
+        "the run's --batch-size; a resume with another is refused", default=None)
+    data_sha256: Sha256 | None = doc("SHA-256 of the training data (inputs and targets, after any "
+                                     "validation split); a resume on other data is refused",
+                                     default=None)
+    test_sha256: Sha256 | None = doc("the same for the test set (null: none, improvement is "
+                                     "judged on the training data)", default=None)
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in super().to_dict().items() if v is not None}
 
 
 CHECKPOINT_FORMAT = "microtrain-checkpoint"

@@ -6,12 +6,14 @@ onert_train's raw files, which needs the shape of one sample.
 """
 import math
 import zipfile
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from .errors import UserError
+from .files import MAX_INPUT_BYTES, read_npy, read_regular, read_zip_member, regular_file
 from .shuffle import Shuffler
 
 # Array kinds that are numbers: bool, signed and unsigned integers, floats.
@@ -24,33 +26,21 @@ def load_array(spec: str, sample_shape: Sequence[int] | None = None) -> np.ndarr
     `sample_shape` is required for `.bin` files, whose sample count is inferred.
     """
     path, key = _split_spec(spec)
-    if not path.is_file():
-        raise UserError(path, "no such file" if not path.exists() else "not a regular file")
+    regular_file(path, "data file")
     suffix = path.suffix.lower()
     try:
         if suffix == ".npy":
-            array = np.load(path, allow_pickle=False)
+            array = read_npy(read_regular(path, "data file"), path)
         elif suffix == ".npz":
             array = _load_npz(path, key)
         elif suffix == ".bin":
             array = _load_raw(path, sample_shape)
         else:
             raise UserError(path, "unknown data format (expected .npy, .npz[:key] or .bin)")
-    except ValueError as e:
-        raise UserError(spec, _numpy_refusal(str(e), suffix)) from None
-    except (OSError, EOFError, zipfile.BadZipFile) as e:
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         raise UserError(path, f"cannot read it as {suffix} ({e})") from None
     check_values(spec, array)
     return array
-
-
-def _numpy_refusal(message: str, suffix: str) -> str:
-    """numpy's ValueError for object arrays, pickles or a malformed file, as our problem text."""
-    if message.startswith("Object arrays"):
-        return "holds an object array; only numeric arrays are supported"
-    if "pickled" in message:   # neither .npy nor zip: numpy would fall back to pickle
-        return f"is not a {suffix} file"
-    return f"is not a valid {suffix} file ({message})"
 
 
 def _split_spec(spec: str) -> tuple[Path, str | None]:
@@ -62,8 +52,8 @@ def _split_spec(spec: str) -> tuple[Path, str | None]:
 
 
 def _load_npz(path: Path, key: str | None) -> np.ndarray:
-    with np.load(path, allow_pickle=False) as archive:
-        keys = list(archive.keys())
+    with zipfile.ZipFile(path) as archive:
+        keys = [n[:-4] for n in archive.namelist() if n.endswith(".npy")]
         if not keys:
             raise UserError(path, "holds no arrays")
         if key is None:
@@ -73,7 +63,8 @@ def _load_npz(path: Path, key: str | None) -> np.ndarray:
             key = keys[0]
         if key not in keys:
             raise UserError(path, f"has no array {key!r} (keys: {', '.join(keys)})")
-        return archive[key]
+        return read_npy(read_zip_member(archive, key + ".npy", path, MAX_INPUT_BYTES),
+                        f"{path}:{key}")
 
 
 def _load_raw(path: Path, sample_shape: Sequence[int] | None) -> np.ndarray:

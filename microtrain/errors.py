@@ -30,5 +30,10 @@ class ContractError(UserError):
     a missing or mistyped field, a value out of range, another version."""
 
 
+class OperatorError(UserError):
+    """An operator cannot run on its tensors or options (raised by kernels and by
+    the executor, which names the file and the operator)."""
+
+
 class TornSetError(UserError):
     """The files of one artifact set come from different runs of `trainconf split`."""

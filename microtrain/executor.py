@@ -7,13 +7,14 @@ runs a second list of closures over the leading rows of the same arrays.  The
 kernels of both lists take their temporaries from one workspace
 (kernels/workspace.py).
 """
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .arena import Arena
+from .arena import Arena, linear, physical_memory
 from .artifacts import Artifacts
-from .errors import UserError
+from .errors import OperatorError, UserError
 from .graph import BATCH, Graph, concrete_shape
 from .kernels import KERNELS, prepare
 from .kernels.workspace import Workspace, begin_kernel, scratch, sharing
@@ -48,6 +49,7 @@ class Memory:
         self.half_weights = TYPES[precision(art).weights] == HALF
         working_views = self._lay_out_weights(art)
         plan = art.links.memory if art.backprop is not None else None
+        _check_affordable(art, plan, batch)
         self.arena = Arena(plan, batch, art.backprop_path) if plan else None
         self.forward = self._allocate(art.forward, batch,
                                       {**self._planned(art.forward, "forward"), **working_views})
@@ -113,6 +115,21 @@ class Memory:
         return arrays
 
 
+def _check_affordable(art: Artifacts, plan, batch: int) -> None:
+    """Refuse, before allocating, a step whose tensors alone would not fit this
+    machine's memory (a huge shape or batch size, or a damaged plan)."""
+    planned = {(g, t) for g in ("forward", "backprop") for t, *_ in getattr(plan, g, ())}
+    graphs = [("forward", art.forward)] + ([("backprop", art.backprop)] if art.backprop else [])
+    need = linear(plan.arena, batch) if plan else 0
+    for name, g in graphs:
+        need += sum(math.prod(concrete_shape(t.shape, batch)) * storage(t.dtype).itemsize
+                    for t in g.tensors if t.data is None and (name, t.index) not in planned)
+    if need > physical_memory():
+        raise UserError(art.frozen_path, f"a step at batch size {batch} needs {need} bytes of "
+                                         f"tensors, more than this machine's {physical_memory()}; "
+                                         "give a smaller --batch-size")
+
+
 def _trained_spans(art: Artifacts) -> dict[int, tuple[int, int]]:
     """Trainable tensor -> the elements [lo, hi) of its flattened data that train:
     all, or the rows given in the training metadata.  Frozen rows can only lie
@@ -142,18 +159,41 @@ class Plan:
     forward: list
     backward: list
     loss_ops: list  # the loss operators alone, for evaluation
+    owners: dict = field(default_factory=dict)  # "forward" ... -> (file, Op) of each step
 
     def run_forward(self) -> None:
-        for step in self.forward:
-            step()
+        _run(self.forward, self.owners["forward"])
 
     def run_backward(self) -> None:
-        for step in self.backward:
-            step()
+        _run(self.backward, self.owners["backward"])
 
     def run_loss(self) -> None:
-        for step in self.loss_ops:
+        _run(self.loss_ops, self.owners["loss_ops"])
+
+
+# What a kernel raises when the tensors a (damaged or forged) file gives it do not fit.
+KERNEL_FAILURES = (ValueError, IndexError, TypeError, KeyError, AttributeError, ZeroDivisionError,
+                   OverflowError)
+
+
+def _run(steps: list, owners: list) -> None:
+    i = 0
+    try:
+        for i, step in enumerate(steps):
             step()
+    except UserError as e:
+        raise _at_operator(e, owners[i]) from None
+    except KERNEL_FAILURES as e:
+        raise _at_operator(OperatorError(None, f"cannot run on its tensors ({e})"), owners[i]) \
+            from None
+
+
+def _at_operator(e: UserError, owner) -> UserError:
+    """The error, naming the file and operator of the step that raised it."""
+    path, op = owner
+    if e.field is None and op is not None:
+        e.field = f"operator {op.index} ({op.type})"
+    return e.at(path)
 
 
 def _views(g: Graph, arrays: list, rows: int) -> list:
@@ -168,6 +208,7 @@ class Hooks:
 
     def __init__(self, art: Artifacts, scaler: LossScale, underflow: Underflow):
         self.backprop, self.scaler, self.underflow = art.backprop, scaler, underflow
+        self.paths = {"forward": art.frozen_path, "backprop": art.backprop_path}
         # backprop tensor of each weight gradient -> the forward (weight) tensor
         self.weight_grads = dict(art.links.gradients) if art.links else {}
 
@@ -177,13 +218,18 @@ class Hooks:
             return ()
         return self.underflow, self.weight_grads.get(t, -1 - t)
 
-    def closures(self, g: Graph, arrays: list, ops, scaling: bool = True) -> list:
-        """The closures of `ops` over `arrays`; `scaling`: with the loss scale's
-        hooks (training), else the kernels alone (evaluation)."""
-        steps = []
+    def closures(self, g: Graph, arrays: list, ops, scaling: bool = True) -> tuple[list, list]:
+        """The closures of `ops` over `arrays` and the owner (file, op) of each, to
+        name them in errors; `scaling`: with the loss scale's hooks (training),
+        else the kernels alone (evaluation)."""
+        steps, owners = [], []
+        path = self.paths["backprop" if g is self.backprop else "forward"]
         for op in ops:
-            steps += self._op(g, op, arrays, scaling and g is self.backprop)
-        return steps
+            mine = _guarded((path, op), lambda: self._op(g, op, arrays,
+                                                         scaling and g is self.backprop))
+            steps += mine
+            owners += [(path, op)] * len(mine)
+        return steps, owners
 
     def _op(self, g: Graph, op, arrays: list, backprop: bool) -> list:
         begin_kernel()  # the float32 copies below and the kernel's scratch share one layout
@@ -252,18 +298,30 @@ def _compile(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
                              for i in range(0, mem.working.size, WEIGHT_CHUNK)]
     fwd = _views(art.forward, mem.forward, rows)
     inputs = [fwd[i] for i in art.forward.inputs]
-    plan = Plan(inputs, [fwd[i] for i in art.forward.outputs], [], None,
-                hooks.closures(art.forward, fwd, art.forward.ops), [], [])
+    steps, owners = hooks.closures(art.forward, fwd, art.forward.ops)
+    plan = Plan(inputs, [fwd[i] for i in art.forward.outputs], [], None, steps, [], [])
+    plan.owners = {"forward": owners, "backward": [], "loss_ops": []}
     if art.backprop is not None:
         bp = _views(art.backprop, mem.backprop, rows)
         plan.targets = [bp[i] for i in art.links.targets]
         plan.loss = bp[art.links.loss]
-        plan.backward = hooks.closures(art.backprop, bp, art.backprop.ops)
+        plan.backward, plan.owners["backward"] = hooks.closures(art.backprop, bp, art.backprop.ops)
         # evaluation runs the loss operators alone (and their sum, with several outputs)
         loss_ops = [op for op in art.backprop.ops if op.type in ("Loss", "LogitsLoss")
                     or art.links.loss in op.outputs]
-        plan.loss_ops = hooks.closures(art.backprop, bp, loss_ops, scaling=False)
+        plan.loss_ops, plan.owners["loss_ops"] = hooks.closures(art.backprop, bp, loss_ops,
+                                                                scaling=False)
     return plan
+
+
+def _guarded(owner, make):
+    """make(), a kernel factory's work; its errors name the owner's file and operator."""
+    try:
+        return make()
+    except UserError as e:
+        raise _at_operator(e, owner) from None
+    except KERNEL_FAILURES as e:
+        raise _at_operator(OperatorError(None, f"does not fit its tensors ({e})"), owner) from None
 
 
 def check_supported(art: Artifacts) -> None:

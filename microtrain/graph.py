@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import UserError
 from .format.model import buffer_array, op_name, options_dict, tensor_dtype
 
 BATCH = -1
@@ -62,3 +63,29 @@ def graph_of(model, subgraph: int = 0) -> Graph:
 def concrete_shape(shape: tuple[int, ...], batch: int) -> tuple[int, ...]:
     """Replace the symbolic batch dimension with `batch`."""
     return tuple(batch if d == BATCH else d for d in shape)
+
+
+def check_dataflow(g: Graph, path, given: set[int]) -> None:
+    """What the runtime relies on before it allocates anything: inputs and
+    outputs, dimensions >= 0 (only the first may be the symbolic batch), and
+    operators that read only tensors that are given (graph inputs, constants,
+    `given`) or written by an earlier operator."""
+    if not g.inputs or not g.outputs:
+        raise UserError(path, "the graph has no inputs or no outputs")
+    for t in g.tensors:
+        dims = t.shape[1:] if t.shape and t.shape[0] == BATCH else t.shape
+        if any(d < 0 for d in dims):
+            raise UserError(path, f"tensor {t.index} '{t.name}' has shape {list(t.shape)}: only "
+                                  "the first dimension may be -1 (the batch)")
+    ready = set(g.inputs) | given | {t.index for t in g.tensors if t.data is not None}
+    for op in g.ops:
+        unready = [i for i in op.inputs if i >= 0 and i not in ready]
+        if unready:
+            raise UserError(path, f"operator {op.index} ({op.type}) reads tensor {unready[0]}, "
+                                  "which is neither given nor written by an earlier operator")
+        ready.update(op.outputs)
+    written = {t for op in g.ops for t in op.outputs} | set(g.inputs)
+    if not set(g.outputs) <= written:
+        raise UserError(path, f"graph output {sorted(set(g.outputs) - written)[0]} is written by "
+                              "no operator")
+

@@ -1,14 +1,17 @@
 """The commands of microtrain as Python functions (the CLI only parses and prints)."""
 import io
+import math
 from pathlib import Path
 
 import numpy as np
 
 from .atomic import atomic_write
+from .artifacts import sha256
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .contracts import LossScaleState, RunState
 from .data import load_array, validation_split
 from .errors import UserError
+from .files import check_output
 from .loss_scale import make_loss_scale
 from .shuffle import Shuffler
 from .trainer import Trainer
@@ -29,6 +32,8 @@ def load_data(specs, shapes=()) -> list[np.ndarray]:
 
 
 def _test_set(kw, xs, ts):
+    if bool(kw.get("test_inputs")) != bool(kw.get("test_targets")):
+        raise UserError(None, "give --test-input and --test-target together")
     if kw.get("validation_split"):
         if kw.get("test_inputs"):
             raise UserError(None, "give either --validation-split or --test-input, not both")
@@ -46,19 +51,45 @@ def _given(kw, keys) -> dict:
     return {k: kw[k] for k in keys if kw.get(k) is not None}
 
 
-def _checkpoint_of(trainer: Trainer, rng: Shuffler, baseline: dict) -> Checkpoint:
+def data_digest(arrays) -> str | None:
+    """SHA-256 over arrays' types, shapes and bytes (None for no arrays)."""
+    if not arrays:
+        return None
+    digest = sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        digest.update(f"{a.dtype.str}{a.shape}".encode())
+        digest.update(a.data)
+    return digest.hexdigest()
+
+
+def _checkpoint_of(trainer: Trainer, rng: Shuffler, run: RunState) -> Checkpoint:
     opt = trainer.optimizer
     return Checkpoint(params=trainer.memory.params.copy(), optimizer=trainer.optimizer_name,
                       optimizer_config=opt.config(), optimizer_state=opt.state(),
                       iterations=opt.iterations, epoch=trainer.epoch,
                       rng_state=rng.state(),
                       loss_scale=LossScaleState.from_dict(trainer.scaler.state(), None),
-                      model_sha256=trainer.art.frozen_sha256, run=RunState(baseline=baseline))
+                      model_sha256=trainer.art.frozen_sha256, run=run)
 
 
-def _resume(trainer: Trainer, path) -> tuple[dict, Shuffler]:
-    """Restore the trainer from a checkpoint; returns the baseline and the shuffler."""
+def _resume(trainer: Trainer, path, run: RunState, epochs: int) -> tuple[dict, Shuffler]:
+    """Restore the trainer from a checkpoint of the same run (batch size, data,
+    test set); returns the baseline and the shuffler."""
     ckpt = load_checkpoint(path, trainer.art.frozen_sha256)
+    same = (("batch_size", "--batch-size"), ("data_sha256", "training data"),
+            ("test_sha256", "test set (--test-input or --validation-split)"))
+    for name, what in same if ckpt.run.data_sha256 else ():  # older checkpoints lack them
+        if getattr(ckpt.run, name) != getattr(run, name):
+            raise UserError(path, f"was saved by a run with another {what}; resume with the "
+                                  "same data and options, or start afresh without --resume")
+    missing = {"loss", trainer.metric} - set(ckpt.run.baseline)
+    if missing:
+        raise UserError(path, f"has no starting {sorted(missing)[0]} to judge improvement by",
+                        "meta.json: extra.baseline")
+    if epochs <= ckpt.epoch:
+        raise UserError(path, f"has already done {ckpt.epoch} epochs; --epochs {epochs} would "
+                              "train nothing (--epochs counts the epochs done before)")
     if ckpt.optimizer != trainer.optimizer_name or ckpt.params.shape != trainer.memory.params.shape:
         raise UserError(path, f"holds {ckpt.optimizer} state for {ckpt.params.size} parameters; "
                               f"this run uses {trainer.optimizer_name} on "
@@ -110,18 +141,27 @@ def prepare(kw) -> tuple[Trainer, list, list, tuple | None]:
 
 def run(on_epoch=None, progress=None, **kw) -> dict:
     """Train as `microtrain run`; returns the summary."""
+    if kw.get("output_wof"):
+        check_output(kw["output_wof"], ("wof",), kw.get("force", False))
+    if kw.get("checkpoint") and not kw.get("resume"):
+        check_output(kw["checkpoint"], ("checkpoint",), kw.get("force", False))
     trainer, xs, ts, test = prepare(kw)
     judge = test or (xs, ts)
+    run_state = RunState(baseline={}, batch_size=trainer.batch_size,
+                         data_sha256=data_digest(xs + ts),
+                         test_sha256=data_digest(test[0] + test[1]) if test else None)
     if kw.get("resume"):
         if not kw.get("checkpoint"):
             raise UserError(None, "--resume needs --checkpoint PATH")
-        baseline, rng = _resume(trainer, kw["checkpoint"])
+        baseline, rng = _resume(trainer, kw["checkpoint"], run_state,
+                                trainer.resolved.parameters.epochs)
     else:
         baseline, rng = trainer.evaluate(*judge), Shuffler(kw.get("seed"))
+    run_state.baseline = baseline
 
     def epoch_done(record):
         if kw.get("checkpoint"):
-            save_checkpoint(kw["checkpoint"], _checkpoint_of(trainer, rng, baseline))
+            save_checkpoint(kw["checkpoint"], _checkpoint_of(trainer, rng, run_state))
         if on_epoch:
             on_epoch(record)
 
@@ -156,15 +196,24 @@ def evaluate(**kw) -> dict:
     xs = load_data(kw["inputs"], kw.get("input_shapes", ()))
     ts = load_data(kw["targets"], kw.get("target_shapes", ()))
     result = trainer.evaluate(*trainer.check_data(xs, ts, (kw["inputs"], kw["targets"])))
+    if not math.isfinite(result["loss"]):
+        raise UserError(trainer.art.wof_path, f"these weights give a loss of {result['loss']} on "
+                                              "the data: they overflow float32")
     return {"loss_function": trainer.art.training.loss, **result}
 
 
 def infer(**kw) -> dict:
+    out = Path(kw["output"])
+    if out.suffix not in (".npy", ".npz"):
+        raise UserError(out, "the output must end in .npy (one output) or .npz (several)")
+    check_output(out, (out.suffix[1:],), kw.get("force", False))
     trainer = make_trainer(kw, with_backprop=False)
     xs, _ = trainer.check_data(load_data(kw["inputs"], kw.get("input_shapes", ())),
                                names=(kw["inputs"], None))
     outputs = trainer.predict(xs)
-    out = Path(kw["output"])
+    if not all(np.isfinite(o).all() for o in outputs):
+        raise UserError(trainer.art.wof_path, "these weights give NaN or inf outputs on the data "
+                                              "(they overflow float32); nothing written")
     buf = io.BytesIO()
     if out.suffix == ".npz":
         np.savez(buf, *outputs)

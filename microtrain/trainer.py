@@ -130,8 +130,11 @@ class Trainer:
                 arrays[i] = a = a.reshape(a.shape[:-1])  # class ids given as [N, 1]
                 got = want
             if a.ndim == 0 or got != want:
+                hint = ("; they look like class ids: split the model with --loss sparse_cce, "
+                        "or give one-hot targets") if what == "target" and want and \
+                    got in (want[:-1], want[:-1] + (1,)) and self.loss_name == "cce" else ""
                 raise UserError(where, f"expected {what} samples of shape {want}, found "
-                                       f"{got} (array of shape {a.shape})")
+                                       f"{got} (array of shape {a.shape}){hint}")
             check_values(where, a)
         if len({len(a) for a in arrays}) > 1:
             raise UserError(None, f"the {what}s have different sample counts")

@@ -55,7 +55,7 @@ def test_bad_model_file(trainconf, tmp_path, command, case):
 
 def test_missing_file(trainconf, tmp_path):
     path = tmp_path / "absent.tflite"
-    assert_one_error_line(_run(trainconf, "import", str(path)), path, "No such file or directory")
+    assert_one_error_line(_run(trainconf, "import", str(path)), path, "no such model")
 
 
 # No trainconf command reads a .wof; these go through the command group that

@@ -155,7 +155,7 @@ def test_flipped_byte_in_the_parameters_is_caught(saved):
 
 
 def test_missing_file(tmp_path):
-    assert _load_error(tmp_path / "none.ckpt") == f"{tmp_path / 'none.ckpt'}: no such checkpoint file"
+    assert _load_error(tmp_path / "none.ckpt") == f"{tmp_path / 'none.ckpt'}: no such checkpoint"
 
 
 def test_non_finite_parameters_are_never_written(saved):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from microtrain.artifacts import load_artifacts
+from microtrain.artifacts import UNSEALED, load_artifacts, seal
 from microtrain.cli import main
 from microtrain.contracts import (GraphLinks, LossScaleState, MemoryPlan, TrainingMeta,
                                   parse_json)
@@ -39,13 +39,19 @@ def test_what_split_writes_reads_back_equal(mlp):
     assert GraphLinks.from_json(art.links.to_json(), None) == art.links
 
 
-def _edited(src: Path, dst: Path, record, change) -> Path:
-    """A copy of model `src` whose `record` metadata JSON was changed by `change(dict)`."""
+def _edited(src: Path, dst: Path, record, change, sealed=True) -> Path:
+    """A copy of model `src` whose `record` metadata JSON was changed by `change(dict)`;
+    a backprop graph is `sealed` again as trainconf seals it, so that the check
+    of the change itself is reached."""
     model = load_model(src)
     meta = json.loads(get_metadata(model, record.NAME))
     change(meta)
+    resealed = sealed and record is GraphLinks and isinstance(meta.get("backprop_sha256"), str)
+    if resealed:
+        meta["backprop_sha256"] = UNSEALED
     set_metadata(model, record.NAME, json.dumps(meta).encode())
-    dst.write_bytes(model_to_bytes(model))
+    data = model_to_bytes(model)
+    dst.write_bytes(seal(data) if resealed else data)
     return dst
 
 
@@ -95,6 +101,15 @@ def test_an_edited_links_record_is_one_error(mlp, tmp_path, change, message):
     backprop = _edited(mlp.backprop, tmp_path / "b.circle", GraphLinks, change)
     line = _eval_error(mlp.frozen, backprop)
     assert line.startswith(f"Error: {backprop}: {message}"), line
+
+
+@pytest.mark.parametrize("change", [lambda m: m.update(loss=m["loss"] + 1),
+                                    lambda m: m["memory"].update(arena=[0, 16])])
+def test_an_edited_backprop_graph_is_refused_by_its_digest(mlp, tmp_path, change):
+    backprop = _edited(mlp.backprop, tmp_path / "b.circle", GraphLinks, change, sealed=False)
+    line = _eval_error(mlp.frozen, backprop)
+    assert line == (f"Error: {backprop}: was changed after `trainconf split` wrote it (its "
+                    "contents do not match its backprop_sha256); run `trainconf split` again")
 
 
 def test_deep_json_is_refused_before_parsing():

@@ -1,4 +1,6 @@
 """Data loading, validation split and batching."""
+import os
+
 import numpy as np
 import pytest
 
@@ -29,8 +31,11 @@ def _error(spec, **kwargs):
 
 
 def test_missing_and_unknown_files(tmp_path):
-    assert _error(str(tmp_path / "nope.npy")) == f"{tmp_path / 'nope.npy'}: no such file"
-    assert _error(str(tmp_path)).endswith("not a regular file")
+    assert _error(str(tmp_path / "nope.npy")) == f"{tmp_path / 'nope.npy'}: no such data file"
+    assert _error(str(tmp_path)).endswith("is a folder, not a data file")
+    os.mkfifo(tmp_path / "fifo.npy")  # refused without opening it: reading would block
+    assert _error(str(tmp_path / "fifo.npy")).endswith("is not a regular file (a FIFO, socket "
+                                                       "or device); expected a data file")
     (tmp_path / "x.csv").write_text("1,2\n")
     assert "unknown data format" in _error(str(tmp_path / "x.csv"))
 

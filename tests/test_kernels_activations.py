@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_check import numeric_grad, run
+from microtrain.errors import OperatorError
 from microtrain.kernels import build
 from microtrain.kernels.activations import fused_activation
 
@@ -122,9 +123,9 @@ def test_fused_activation_is_in_place(code, reference):
 
 
 def test_bad_options_raise():
-    with pytest.raises(ValueError):
+    with pytest.raises(OperatorError):
         fused_activation(6)
-    with pytest.raises(ValueError):
+    with pytest.raises(OperatorError):
         run("ActivationGrad", [np.ones(3), np.ones(3)], [(3,)], activation="gelu")
 
 

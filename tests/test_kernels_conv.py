@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_check import numeric_grad, run
+from microtrain.errors import OperatorError
 from microtrain.kernels import build
 
 SAME, VALID = 0, 1
@@ -220,7 +221,7 @@ def test_max_pool_grad_ties_go_to_first_maximum():
 
 
 def test_output_size_mismatch_is_rejected():
-    with pytest.raises(ValueError, match="output size"):
+    with pytest.raises(OperatorError, match="output size"):
         run("CONV_2D", [np.zeros((1, 5, 5, 1)), np.zeros((2, 3, 3, 1)), None],
             [(1, 5, 5, 2)], padding=VALID)
 

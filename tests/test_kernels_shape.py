@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_check import numeric_grad, run
+from microtrain.errors import OperatorError
 from microtrain.kernels import build
 
 rng = np.random.default_rng(3)
@@ -32,7 +33,7 @@ def test_reshape_of_shared_memory_is_correct():
 
 
 def test_reshape_rejects_a_size_change():
-    with pytest.raises(ValueError):
+    with pytest.raises(OperatorError):
         run("RESHAPE", [np.ones((2, 3))], [(7,)])
 
 

@@ -14,9 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from microtrain.arena import linear
-from microtrain.artifacts import BACKPROP_META, load_artifacts
+from microtrain.artifacts import BACKPROP_META, UNSEALED, load_artifacts, seal
 from microtrain.errors import UserError
-from microtrain.format.model import get_metadata, load_model, save_model, set_metadata
+from microtrain.format.model import get_metadata, load_model, model_to_bytes, set_metadata
 from microtrain.graph import concrete_shape
 from microtrain.trainer import Trainer
 from trainconf.cli import main
@@ -154,8 +154,9 @@ def edit_plan(frozen: Path, folder: Path, change) -> Path:
     model = load_model(path)
     meta = json.loads(get_metadata(model, BACKPROP_META))
     change(meta)
+    meta["backprop_sha256"] = UNSEALED  # sealed again, as trainconf would
     set_metadata(model, BACKPROP_META, json.dumps(meta).encode())
-    save_model(model, path)
+    path.write_bytes(seal(model_to_bytes(model)))
     return folder / frozen.name
 
 

@@ -83,7 +83,7 @@ def test_save_policy(frozen, policy, lr, written):
     assert (wof_of(frozen).stat().st_ino != inode) is written  # replaced by a rename
     if not written:
         assert wof_of(frozen).read_bytes() == before
-    assert [p.name for p in frozen.parent.iterdir() if p.name.endswith(".tmp")] == []
+    assert [p.name for p in frozen.parent.iterdir() if p.name.startswith(".")] == []  # no temporaries
 
 
 def test_output_wof_leaves_the_input_wof_alone(frozen, tmp_path):

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import click
 
-from microtrain.cli_common import CommandGroup, parameter_options, print_json
+from microtrain.cli_common import FORCE_OPTION, CommandGroup, parameter_options, print_json
+from microtrain.files import check_output
 from microtrain.format.model import load_model
 
 from .backprop import LOSSES, REDUCTIONS
@@ -29,9 +30,10 @@ def main():
 @click.argument("model", type=MODEL)
 @click.option("-o", "--output", type=MODEL,
               help="Where to write the circle model  [default: MODEL with the suffix .circle]")
-def import_command(model: Path, output: Path | None):
+@FORCE_OPTION
+def import_command(model: Path, output: Path | None, force: bool):
     """Convert MODEL.tflite to a .circle model (same graph, weights and signatures)."""
-    output = output or model.with_suffix(".circle")
+    output = check_output(output or model.with_suffix(".circle"), ("model",), force)
     import_tflite(model, output)
     click.echo(f"wrote {output}")
 
@@ -120,6 +122,7 @@ def parameters_text(report: dict) -> str:
 @estimate_options(f"MODEL's circle+ {CIRCLE_PLUS}",
                   ["optimizer", "hyperparameters", "batch_size", "epochs"],
                   " (recorded for microtrain run; also the memory estimate's)")
+@FORCE_OPTION
 @JSON_OPTION
 def split_command(model: Path, outdir: Path | None, as_json: bool, **options):
     """Write STEM.frozen.circle (the forward graph, trainable weights cut out),
@@ -157,6 +160,7 @@ def split_command(model: Path, outdir: Path | None, as_json: bool, **options):
                    f"batch size, epochs, trainable operators) as circle+ {CIRCLE_PLUS} "
                    "metadata, which onert reads; refused when the setup uses what circle+ "
                    "cannot hold (see schemas/circle_plus.md).")
+@FORCE_OPTION
 @JSON_OPTION
 def export_command(frozen: Path, as_json: bool, **options):
     """Write FROZEN (a STEM.frozen.circle) with the trained weights of its .wof

@@ -17,6 +17,7 @@ import tflite
 
 from microtrain.artifacts import TRAINING_META, load_artifacts
 from microtrain.atomic import atomic_write
+from microtrain.files import check_output
 from microtrain.errors import UserError
 from microtrain.format import circle_generated as circle
 from microtrain.format.model import (TYPE_NAMES, add_operator_code, enum_names, int_list,
@@ -52,7 +53,8 @@ class ExportResult:
         return {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items()}
 
 
-def export(frozen, output, wof=None, weights: str = "fp32", traininfo: bool = False) -> ExportResult:
+def export(frozen, output, wof=None, weights: str = "fp32", traininfo: bool = False,
+           force: bool = False) -> ExportResult:
     """Write FROZEN with the weights of `wof` (default STEM.wof beside it) to
     `output`, whose suffix (.circle or .tflite) chooses the format.  With
     `traininfo`, the training setup goes along as circle+ CIRCLE_TRAINING."""
@@ -60,6 +62,7 @@ def export(frozen, output, wof=None, weights: str = "fp32", traininfo: bool = Fa
     identifier = IDENTIFIERS.get(output.suffix)
     if identifier is None:
         raise UserError(output, "the output must end in .circle or .tflite")
+    check_output(output, ("model",), force)
     if weights not in WEIGHT_TYPES:
         raise UserError(None, f"unknown weight type {weights!r} (choose fp32 or fp16)")
     art = load_artifacts(frozen, wof, with_backprop=False)

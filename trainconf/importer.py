@@ -10,6 +10,7 @@ from pathlib import Path
 import tflite
 
 from microtrain.errors import UserError
+from microtrain.files import read_regular
 from microtrain.format import circle_generated as circle
 from microtrain.format.model import (DECODE_ERRORS, enum_names, model_from_bytes,
                                      save_model)
@@ -19,7 +20,7 @@ TFLITE_VERSION = 3
 
 def import_tflite(src, dst) -> circle.ModelT:
     """Write the .tflite file `src` as the .circle file `dst`; returns the model."""
-    data = Path(src).read_bytes()
+    data = read_regular(src, "model")
     check_tflite(data, src)
     model = model_from_bytes(data, src)
     save_model(model, dst)

@@ -67,6 +67,9 @@ def select_trainable(g: Graph, spec: str | set[int], freeze_bias: bool = False) 
         chosen = [t for op in ops[-n:] for t in _weights_of(op, freeze_bias)]
     else:
         chosen = _named(g, ops, [s.strip() for s in spec.split(",") if s.strip()], freeze_bias)
+    if not chosen:
+        raise UserError(None, f"--trainable {spec!r} chooses nothing to train "
+                              "(all, last:N or a comma list of names)", "--trainable")
     return _in_first_use_order(g, chosen)
 
 

@@ -5,14 +5,15 @@ from pathlib import Path
 
 import numpy as np
 
-from microtrain.artifacts import Artifacts, fingerprint
-from microtrain.atomic import atomic_write
+from microtrain.artifacts import UNSEALED, Artifacts, fingerprint, seal
+from microtrain.atomic import PENDING, atomic_write_set
 from microtrain.contracts import GraphLinks, Precision, TrainingMeta, TrainingParameters
 from microtrain.errors import UserError
+from microtrain.files import check_output
 from microtrain.format.model import (buffer_array, load_model, model_to_bytes, remove_metadata,
                                      set_metadata)
 from microtrain.format.wof import wof_to_bytes
-from microtrain.graph import BATCH, Graph, graph_of
+from microtrain.graph import BATCH, Graph, check_dataflow, graph_of
 from microtrain.optimizers import make_optimizer
 from microtrain.parameters import Resolved, resolve
 
@@ -134,6 +135,7 @@ def cut_weights(model, trainable: list[int]) -> dict[int, np.ndarray]:
 
 def _graph_links(bp: Backprop, frozen_bytes: bytes) -> GraphLinks:
     return GraphLinks(version=GraphLinks.VERSION, frozen_sha256=fingerprint(frozen_bytes),
+                      backprop_sha256=UNSEALED,
                       forward=sorted(bp.forward_links.items()), targets=list(bp.targets),
                       loss=bp.loss, gradients=[(b, f) for b, f in bp.gradients],
                       layers=list(bp.layers))
@@ -154,7 +156,7 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
           weight_dtype: str | None = None, activation_dtype: str | None = None,
           grad_dtype: str | None = None, memory_budget: str | int | None = None,
           optimizer: str | None = None, batch_size: int | None = None, accum_steps: int = 1,
-          epochs: int | None = None, **hyperparameters) -> SplitResult:
+          epochs: int | None = None, force: bool = False, **hyperparameters) -> SplitResult:
     """Write STEM.frozen.circle, STEM.wof and STEM.backprop.circle for MODEL.
     What is not given (None) comes from the model's circle+ CIRCLE_TRAINING when
     it has one, else the defaults; the training parameters (optimizer and its
@@ -164,6 +166,9 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
     (bytes, or a size such as "64KiB") what trains is chosen so that it fits
     (trainconf/budget.py) instead of by `trainable`."""
     model_path = Path(model_path)
+    frozen, wof, backprop = output_paths(model_path, out_dir)
+    for path, kind in ((frozen, "model"), (wof, "wof"), (backprop, "model")):
+        check_output(path, (kind,), force)
     try:
         types = resolve_precision(precision, weight_dtype, activation_dtype, grad_dtype)
         setup = training_setup(model_path, trainable, loss, reduction,
@@ -245,6 +250,7 @@ def load_prepared(model_path: Path, types: dict):
     resolve_constants(model)
     untie_weights(model)
     g = graph_of(model)
+    check_dataflow(g, model_path, set())
     batch = make_batch_symbolic(model, g)
     g = fold(model, g)
     set_activation_dtype(model, g, PRECISIONS[types.activations])
@@ -283,8 +289,8 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
                            kernel_scratch_measured_at=scratch_points(batch_size))
     backprop_model = graph_to_model(bp.graph, "microtrain backprop graph",
                                     {GraphLinks.NAME: links.to_json()})
-    return Built(frozen_bytes, wof_to_bytes(len(g.tensors), arrays), model_to_bytes(backprop_model),
-                 art, rows)
+    return Built(frozen_bytes, wof_to_bytes(len(g.tensors), arrays),
+                 seal(model_to_bytes(backprop_model)), art, rows)
 
 
 def slice_rows(bp: Backprop, g: Graph, rows: dict, grad_dtype) -> None:
@@ -318,9 +324,10 @@ def write(built: Built, model_path: Path, out_dir, setup: Setup, budget: dict | 
           accum_steps: int = 1) -> SplitResult:
     frozen_path, wof_path, backprop_path = output_paths(model_path, out_dir)
     frozen_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(frozen_path, built.frozen)
-    atomic_write(wof_path, built.wof)
-    atomic_write(backprop_path, built.backprop)
+    # the frozen model last: until it is renamed, the old one is not the new
+    # backprop graph's (frozen_sha256), and the marker says the set is torn
+    atomic_write_set({wof_path: built.wof, backprop_path: built.backprop,
+                      frozen_path: built.frozen}, frozen_path.with_name(model_path.stem + PENDING))
     art = built.art
     info = []
     for t in art.training.trainable:

@@ -17,6 +17,7 @@ from flatbuffers import flexbuffers
 
 from ..atomic import atomic_write
 from ..errors import UserError
+from ..files import read_regular
 from . import circle_generated as circle
 
 IDENTIFIERS = (b"CIR0", b"TFL3")
@@ -45,8 +46,7 @@ DECODE_ERRORS = (struct.error, IndexError, ValueError, TypeError, OverflowError)
 
 def load_model(path) -> circle.ModelT:
     """Read a .circle or .tflite file."""
-    with open(path, "rb") as f:
-        return model_from_bytes(f.read(), path)
+    return model_from_bytes(read_regular(path, "model"), path)
 
 
 def model_from_bytes(data: bytes, path=None) -> circle.ModelT:

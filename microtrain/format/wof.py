@@ -5,12 +5,14 @@ uint8 reserved 0, uint32 n_buffers (= tensors in the model's first subgraph),
 n_buffers uint32 offsets from the start of the file (0 = no data for that
 tensor), then each present tensor's raw data starting on a 16-byte boundary.
 """
+import math
 import struct
 
 import numpy as np
 
 from ..atomic import atomic_write
 from ..errors import UserError
+from ..files import read_regular
 from .model import int_list, tensor_dtype
 
 MAGIC = 429
@@ -49,8 +51,7 @@ def write_wof(path, n_tensors: int, arrays: dict[int, np.ndarray]) -> None:
 def read_wof(path, model) -> dict[int, np.ndarray]:
     """Read and validate a .wof against `model`; arrays are writable, shaped
     and typed as their tensors."""
-    with open(path, "rb") as f:
-        return wof_from_bytes(bytearray(f.read()), model, path)
+    return wof_from_bytes(bytearray(read_regular(path, ".wof")), model, path)
 
 
 def wof_from_bytes(data: bytearray, model, path=None) -> dict[int, np.ndarray]:
@@ -61,13 +62,25 @@ def wof_from_bytes(data: bytearray, model, path=None) -> dict[int, np.ndarray]:
         if offset:
             spans.append((offset, _span_end(data, tensors, index, offset, path), index))
     _check_overlaps(sorted(spans), tensors, path)
+    end = max((e for _, e, _ in spans), default=_HEADER.size + 4 * len(tensors))
+    if len(data) != end:
+        raise UserError(path, f"{len(data)} bytes, but its tensors end at byte {end}: "
+                              "bytes were added or cut")
     arrays = {}
     for offset, _, index in spans:
         t = tensors[index]
         shape = int_list(t.shape)
         arrays[index] = np.frombuffer(data, tensor_dtype(t), int(np.prod(shape)),
                                       offset).reshape(shape)
+        _check_finite(arrays[index], f"tensor {index} '{t.name}'", path)
     return arrays
+
+
+def _check_finite(array: np.ndarray, what: str, path) -> None:
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        bad = int(np.count_nonzero(~np.isfinite(array)))
+        raise UserError(path, f"{what} holds {bad} NaN or inf values; such weights cannot train "
+                              "or predict")
 
 
 def _read_offsets(data, n_tensors: int, path) -> tuple[int, ...]:
@@ -101,8 +114,10 @@ def _span_end(data, tensors, index: int, offset: int, path) -> int:
         raise UserError(path, f"{what}: offset {offset} points into the header, "
                               f"which ends at byte {header_end}")
     shape = int_list(t.shape)
+    if any(d < 0 for d in shape):
+        raise UserError(path, f"{what}: the model gives it shape {shape}, with a dimension < 0")
     dtype = tensor_dtype(t)
-    size = int(np.prod(shape)) * dtype.itemsize
+    size = math.prod(shape) * dtype.itemsize
     if offset + size > len(data):
         raise UserError(path, f"{what}: shape {shape} of {dtype.name} needs {size} bytes at "
                               f"offset {offset}, but the file ends at byte {len(data)}")

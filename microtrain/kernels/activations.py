@@ -12,6 +12,7 @@ from functools import partial
 
 import numpy as np
 
+from ..errors import OperatorError
 from . import kernel
 from .workspace import kept, scratch
 
@@ -54,7 +55,7 @@ def noop():
 
 def _check(code):
     if code not in CODES:
-        raise ValueError(f"unsupported fused activation {code}")
+        raise OperatorError(None, f"unsupported fused activation {code}")
 
 
 def activation_step(code, x, y):
@@ -295,7 +296,7 @@ def activation_grad(inputs, outputs, activation="relu", alpha=0.0, **_):
         return partial(np.multiply, dy, y, out=dx)
     if activation == "leaky_relu":
         return _leaky_relu_grad(dy, y, dx, alpha)
-    raise ValueError(f"ActivationGrad: unsupported activation {activation!r}")
+    raise OperatorError(None, f"ActivationGrad: unsupported activation {activation!r}")
 
 
 @kernel("SoftmaxGrad")

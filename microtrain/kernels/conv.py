@@ -10,6 +10,7 @@ tap's gradient and scatter-add it onto the pixels that tap covered (col2im).
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from ..errors import OperatorError
 from . import kernel
 from .activations import noop, then_activate
 from .workspace import kept, scratch
@@ -21,10 +22,10 @@ def _pads(n_in, n_out, k, stride, dilation, padding):
     """TFLite (before, after) padding of one spatial axis; checks n_out."""
     span = (k - 1) * dilation + 1
     if padding not in (SAME, VALID):
-        raise ValueError(f"unsupported padding {padding}")
+        raise OperatorError(None, f"unsupported padding {padding}")
     expected = -(-n_in // stride) if padding == SAME else -(-(n_in - span + 1) // stride)
     if n_out != expected:
-        raise ValueError(f"output size {n_out} does not match input size {n_in} "
+        raise OperatorError(None, f"output size {n_out} does not match input size {n_in} "
                          f"(kernel {k}, stride {stride}, dilation {dilation}, padding {padding})")
     total = max((n_out - 1) * stride + span - n_in, 0)
     return total // 2, total - total // 2

@@ -3,6 +3,7 @@ from functools import partial
 
 import numpy as np
 
+from ..errors import OperatorError
 from . import kernel
 from .activations import constant, then_activate
 from .workspace import scratch
@@ -50,7 +51,7 @@ def sum_to(dy, dx):
     lead = dy.ndim - dx.ndim
     kept_shape = (1,) * lead + dx.shape  # dX at dY's rank
     if lead < 0 or any(k not in (1, d) for k, d in zip(kept_shape, dy.shape)):
-        raise ValueError(f"SumToShape: {dx.shape} does not broadcast to {dy.shape}")
+        raise OperatorError(None, f"SumToShape: {dx.shape} does not broadcast to {dy.shape}")
     kept = dx.reshape(kept_shape)
     axes = tuple(i for i, (k, d) in enumerate(zip(kept.shape, dy.shape)) if k != d)
     if not axes:

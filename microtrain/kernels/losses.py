@@ -10,6 +10,7 @@ from math import prod
 
 import numpy as np
 
+from ..errors import OperatorError
 from . import kernel
 from .activations import filled, full, row_exp, row_sums, rows
 from .workspace import scratch
@@ -34,7 +35,7 @@ def _scale(y, reduction):
         return 1 / prod(y.shape[:-1])
     if reduction == "sum":
         return 1.0
-    raise ValueError(f"unsupported loss reduction {reduction!r}")
+    raise OperatorError(None, f"unsupported loss reduction {reduction!r}")
 
 
 def _one_hot(t, y2):
@@ -174,7 +175,7 @@ def loss(inputs, outputs, loss="mse", reduction="mean", **_):
     _<loss> for the math); the gradient is zero where Keras clips."""
     (y, t), (out, dy) = inputs, outputs
     if loss not in _PROBABILITY_LOSSES:
-        raise ValueError(f"Loss: unsupported loss {loss!r}")
+        raise OperatorError(None, f"Loss: unsupported loss {loss!r}")
     return _PROBABILITY_LOSSES[loss](y, t, out, dy, _scale(y, reduction))
 
 
@@ -272,4 +273,4 @@ def logits_loss(inputs, outputs, loss="cce", activation="softmax", beta=1.0,
         return _softmax_xent(z, t, out, dz, scale, beta, loss == "sparse_cce")
     if activation == "logistic" and loss == "bce":
         return _sigmoid_xent(z, t, out, dz, scale)
-    raise ValueError(f"LogitsLoss: unsupported {loss!r} after {activation!r}")
+    raise OperatorError(None, f"LogitsLoss: unsupported {loss!r} after {activation!r}")

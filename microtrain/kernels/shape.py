@@ -9,13 +9,14 @@ from math import prod
 
 import numpy as np
 
+from ..errors import OperatorError
 from . import kernel
 from .activations import noop, then_activate
 
 
 def _check_shape(op, view, y):
     if view.shape != y.shape:
-        raise ValueError(f"{op}: computed shape {view.shape} but the output is {y.shape}")
+        raise OperatorError(None, f"{op}: computed shape {view.shape} but the output is {y.shape}")
 
 
 @kernel("RESHAPE")
@@ -25,7 +26,7 @@ def reshape(inputs, outputs, **_):
     nothing when x and y already share their memory."""
     x, (y,) = inputs[0], outputs
     if x.size != y.size:
-        raise ValueError(f"RESHAPE: {x.shape} does not hold {y.size} elements")
+        raise OperatorError(None, f"RESHAPE: {x.shape} does not hold {y.size} elements")
     if x.ctypes.data == y.ctypes.data and x.dtype == y.dtype:
         return noop
     return partial(np.copyto, y, x.reshape(y.shape))

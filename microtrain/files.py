@@ -1,0 +1,147 @@
+"""Opening the files a command is given: only regular files are read (a FIFO or a
+device would block or never end), and an output is not written over a file of
+another kind unless the user says so.
+
+`kind_of` tells the kinds apart by their first bytes, not by their names.
+"""
+import io
+import math
+import os
+import stat
+import tokenize
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from .errors import UserError
+
+MAX_INPUT_BYTES = 1 << 34  # 16 GiB: beyond any model, weights or checkpoint a device trains
+
+
+def regular_file(path, what: str = "file") -> Path:
+    """`path` if it names a readable regular file; else UserError, without opening it
+    (opening a FIFO for reading blocks until a writer comes)."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise UserError(path, f"no such {what}") from None
+    except OSError as e:
+        raise UserError(path, f"cannot read the {what}: {e.strerror or e}") from None
+    if stat.S_ISDIR(mode):
+        raise UserError(path, f"is a folder, not a {what}")
+    if not stat.S_ISREG(mode):
+        raise UserError(path, f"is not a regular file (a FIFO, socket or device); expected a {what}")
+    if not os.access(path, os.R_OK):
+        raise UserError(path, f"cannot read the {what}: permission denied")
+    return path
+
+
+def read_regular(path, what: str = "file", limit: int = MAX_INPUT_BYTES) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes."""
+    path = regular_file(path, what)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise UserError(path, f"{size} bytes is larger than any {what} this tool reads "
+                                      f"({limit} bytes at most)")
+            return f.read()
+    except OSError as e:
+        raise UserError(path, f"cannot read the {what}: {e.strerror or e}") from None
+
+
+# -- kinds of files, by their first bytes -----------------------------------------------------------
+
+def kind_of(path: Path) -> str | None:
+    """"model", "wof", "npy", "npz", "checkpoint", "other", or None for an empty file."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if not head:
+        return None
+    if head[4:8] in (b"CIR0", b"TFL3"):
+        return "model"
+    if head.startswith(b"\x93NUMPY"):
+        return "npy"
+    if head[:2] == (429).to_bytes(2, "little") and head[2] == 1:
+        return "wof"
+    if head.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                return "checkpoint" if "meta.json" in archive.namelist() else "npz"
+        except (zipfile.BadZipFile, OSError, EOFError):
+            return "other"
+    return "other"
+
+
+KIND_NAMES = {"model": "a circle/tflite model", "wof": "a .wof weights file",
+              "npy": "a .npy array", "npz": "a .npz archive",
+              "checkpoint": "a microtrain checkpoint", "other": "data of another kind"}
+
+
+def check_output(path, kinds: tuple[str, ...], force: bool = False) -> Path:
+    """Refuse to write over `path` unless it is absent, empty, or already holds one
+    of `kinds` (or `force`); never write over a folder, FIFO or device."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return path
+    except OSError as e:
+        raise UserError(path, f"cannot write it: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        raise UserError(path, "is a folder or special file; give a file name to write")
+    if force:
+        return path
+    try:
+        found = kind_of(path)
+    except OSError:  # unreadable: the write itself will say whether it can replace it
+        return path
+    if found is not None and found not in kinds:
+        raise UserError(path, f"holds {KIND_NAMES[found]}; refusing to replace it with "
+                              f"{KIND_NAMES[kinds[0]]} (give --force to overwrite it)")
+    return path
+
+
+# -- .npy arrays, checked before anything is allocated --------------------------------------------
+
+def read_npy(data: bytes, path, what: str = ".npy file") -> np.ndarray:
+    """The array a .npy document holds, after checking that its header parses, its
+    type is numeric and its data is exactly as long as its shape says (numpy's
+    own reader allocates the shape first and reads afterwards)."""
+    stream = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(stream)
+    except (ValueError, EOFError):
+        raise UserError(path, f"is not a {what}") from None
+    try:
+        header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                  else np.lib.format.read_array_header_2_0)
+        shape, fortran, dtype = header(stream, max_header_size=1 << 16)
+    except (ValueError, SyntaxError, TypeError, KeyError, EOFError, OverflowError,
+            tokenize.TokenError) as e:
+        raise UserError(path, f"is not a valid {what} ({str(e)[:120]})") from None
+    if dtype.hasobject:
+        raise UserError(path, "holds an object array; only numeric arrays are supported")
+    if dtype.kind not in "biuf":
+        raise UserError(path, f"holds {dtype} data; expected numbers")
+    if any(d < 0 for d in shape):  # numpy's header parser lets them through
+        raise UserError(path, f"is not a valid {what} (its header gives shape {shape})")
+    need = math.prod(shape) * dtype.itemsize
+    have = len(data) - stream.tell()
+    if need != have:
+        raise UserError(path, f"is not a valid {what} (its header gives shape {shape} of {dtype}, "
+                              f"{need} bytes, but it holds {have} bytes of data)")
+    array = np.frombuffer(data, dtype, math.prod(shape), stream.tell())
+    return array.reshape(shape, order="F" if fortran else "C").copy()
+
+
+def read_zip_member(archive: zipfile.ZipFile, name: str, path, limit: int) -> bytes:
+    """A member of an archive of `limit` bytes, after checking that its recorded size
+    fits the archive (a stored member is never larger than the file)."""
+    size = archive.getinfo(name).file_size
+    if size > limit:
+        raise UserError(path, f"member {name} claims {size} bytes, more than the "
+                              f"{limit}-byte file holds")
+    return archive.read(name)
