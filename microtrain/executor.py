@@ -16,10 +16,11 @@ from .arena import Arena, linear, physical_memory
 from .artifacts import Artifacts
 from .errors import OperatorError, UserError
 from .graph import BATCH, Graph, concrete_shape
-from .kernels import KERNELS, prepare
+from .kernels import KERNELS, ROW_SUMS, ROW_WISE, prepare
 from .kernels.workspace import Workspace, begin_kernel, scratch, sharing
 from .loss_scale import LossScale
-from .precision import F32, HALF, TYPES, Underflow, narrow, reduced, round_in_place, storage, widen
+from .precision import (F32, HALF, TYPES, Underflow, narrow, narrow_work, reduced,
+                        round_in_place, storage, widen)
 
 
 def _check_kernels(g: Graph, path) -> None:
@@ -235,6 +236,9 @@ class Hooks:
         begin_kernel()  # the float32 copies below and the kernel's scratch share one layout
         inputs = [arrays[i] if i >= 0 else None for i in op.inputs]
         outputs = [arrays[i] for i in op.outputs]
+        rows = None if backprop and self.scaler.hooks(op) else _tile_rows(g, op, inputs, outputs)
+        if rows:
+            return [self._tiled(g, op, inputs, outputs, rows, backprop)]
         wide_in = [_wide(a) for a in inputs]
         wide_out = [_wide(a) for a in outputs]
         loads = [widen(a, w) for a, w in zip(inputs, wide_in) if w is not a]
@@ -251,6 +255,105 @@ class Hooks:
         if not loads and len(steps) == 1:
             return steps
         return [_in_sequence(loads + steps)]  # one closure: its scratch holds the float32 copies
+
+
+    def _tiled(self, g: Graph, op, inputs: list, outputs: list, rows: int, backprop: bool):
+        """One closure running `op` on its batch `rows` rows at a time, so that the
+        float32 copies of its reduced-precision tensors (and the kernel's own
+        scratch) are those of `rows` rows: the batch-shaped inputs are widened
+        (or copied) a tile at a time, and row-wise outputs stored a tile at a
+        time, while a sum over the rows (a weight gradient) adds the tiles' sums
+        and is stored once."""
+        batch = [g.tensors[t].shape[:1] == (BATCH,) for t in op.inputs]
+        n = next(a.shape[0] for a, b in zip(inputs, batch) if b)
+        tile = lambda a: scratch((rows,) + a.shape[1:], F32)  # noqa: E731
+        wide_in = [tile(a) if b else _wide(a) for a, b in zip(inputs, batch)]
+        whole_loads = [widen(a, w) for a, w, b in zip(inputs, wide_in, batch) if not b and w is not a]
+        sums = op.type in ROW_SUMS
+        if sums:
+            ((t, out),) = zip(op.outputs, outputs)
+            total, part = _wide(out), scratch(out.shape, F32)
+            wide_out = [part]
+        else:
+            wide_out = [tile(a) for a in outputs]
+        work = narrow_work((rows,) + outputs[0].shape[1:]) if not sums else None
+        spans = [(i, min(i + rows, n)) for i in range(0, n, rows)]
+        kernels = {}
+        for lo, hi in spans:  # one kernel per tile height: whole tiles and the last one
+            if hi - lo not in kernels:
+                cut = lambda a, k=hi - lo: a if sums and a is part else a[:k]  # noqa: E731
+                kernels[hi - lo] = prepare(op.type, [cut(w) if b else w for w, b in
+                                                     zip(wide_in, batch)],
+                                           [cut(w) for w in wide_out], **op.options)
+        tiles = []
+        for lo, hi in spans:
+            k = hi - lo
+            steps = [_loader(a[lo:hi], w[:k]) for a, w, b in zip(inputs, wide_in, batch) if b]
+            steps.append(kernels[k])
+            if sums:
+                steps.append(_adder(part, total, first=lo == 0))
+            else:
+                steps += [_storer(g, t, w[:k], a[lo:hi], self._counting(backprop, t), work)
+                          for t, a, w in zip(op.outputs, outputs, wide_out)]
+            tiles += steps
+        if sums:
+            tiles.append(_storer(g, t, total, out, self._counting(backprop, t), None))
+        return _in_sequence(whole_loads + tiles)
+
+
+def _tile_rows(g: Graph, op, inputs: list, outputs: list) -> int | None:
+    """Rows per tile for running `op` a few batch rows at a time (see Hooks._tiled),
+    or None to run it whole: when it holds no reduced-precision tensor, does not
+    treat rows separately, or its batch tensors are small."""
+    if op.type not in ROW_WISE | ROW_SUMS or not any(
+            a is not None and reduced(a.dtype) for a in inputs + outputs):
+        return None
+    ts = [g.tensors[t] for t in op.inputs if t >= 0] + [g.tensors[t] for t in op.outputs]
+    arrays = [a for a in inputs if a is not None] + outputs
+    tensors = [(t, a) for t, a in zip(ts, arrays) if t.shape[:1] == (BATCH,)]
+    if op.type in ROW_SUMS and (len(outputs) != 1 or g.tensors[op.outputs[0]].shape[:1] == (BATCH,)):
+        return None
+    if not tensors or len({a.shape[0] for _, a in tensors}) > 1:
+        return None
+    n = tensors[0][1].shape[0]
+    per_row = max(a[0].size for _, a in tensors)
+    rows = max(1, TILE // per_row)
+    if op.type in ROW_SUMS:  # tiles need a float32 partial sum the size of the output
+        whole = sum(a.size for _, a in tensors)
+        if rows * whole // n + outputs[0].size >= whole:
+            return None
+    return rows if rows < n else None
+
+
+TILE = 1 << 14  # elements of a batch tensor's float32 copy in one tile
+
+
+def _loader(src: np.ndarray, dst: np.ndarray):
+    """Widen or copy one tile of a batch-shaped input into float32 scratch."""
+    return widen(src, dst) if reduced(src.dtype) else (lambda: np.copyto(dst, src))
+
+
+def _storer(g: Graph, t: int, src: np.ndarray, dst: np.ndarray, counting: tuple, work):
+    """Store float32 results into the output array of tensor t: narrowed, rounded
+    in place (fp16 declared, float32 array) or copied."""
+    if reduced(dst.dtype):
+        return narrow(src, dst, *counting, work=work)
+    if src is dst:
+        return round_in_place(dst, *counting) if g.tensors[t].dtype == HALF else _nothing
+    rounding = round_in_place(src, *counting) if g.tensors[t].dtype == HALF else _nothing
+
+    def step():
+        rounding()
+        np.copyto(dst, src)
+    return step
+
+
+def _adder(part: np.ndarray, total: np.ndarray, first: bool):
+    return (lambda: np.copyto(total, part)) if first else (lambda: np.add(total, part, out=total))
+
+
+def _nothing():
+    pass
 
 
 def _in_sequence(steps: list):

@@ -53,6 +53,11 @@ class LossScale:
         """The op's closure (built within the scratch layout its caller began)."""
         return prepare(op.type, inputs, outputs, **op.options)
 
+    def hooks(self, op: Op) -> bool:
+        """Whether `kernel` or `after` do more for `op` than run its kernel (then
+        the op reads and writes whole tensors: its statistics are over the batch)."""
+        return op.type in LOSS_OPS and self.kind != "none"
+
     def after(self, op: Op, inputs, outputs) -> list:
         """Closures to run right after `op` of the backprop graph, before rounding."""
         if op.type in LOSS_OPS and self.kind != "none":
@@ -226,6 +231,9 @@ class AdaptiveScale(DynamicScale):
             for i in range(1, len(inputs)):
                 np.add(out, inputs[i] * ratios[i], out=out)
         return weighted_sum
+
+    def hooks(self, op: Op) -> bool:
+        return op.index in self.factors
 
     def after(self, op: Op, inputs, outputs) -> list:
         if op.type in LOSS_OPS:

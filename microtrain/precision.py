@@ -66,73 +66,28 @@ class Underflow:
         return report
 
 
-# Rounding float32 to float16 values by float32 arithmetic, exactly as the cast
-# would (ties to even), and about 4x faster than numpy's cast there and back (25x
-# in fp16's subnormal range, where the cast takes a slow path):
-#  - normal range: Veltkamp/Dekker splitting with 2^13 + 1 keeps the 11 leading
-#    significant bits, rounded to nearest even;
-#  - |x| < 2^-14 (fp16 subnormals): x + 0.75 lies on float32's 2^-24 grid, so
-#    (x + 0.75) - 0.75 is x rounded to a multiple of 2^-24;
-#  - |x| >= 65520 (rounds to inf), inf and NaN: numpy's cast (rare, so slow is fine).
-F16_MIN_NORMAL = np.float32(2.0 ** -14)
-F16_ROUNDS_TO_INF = np.float32(65520.0)
-F16_LOST = np.float32(2.0 ** -25)  # 0 < |x| <= this rounds to zero
-SPLIT = np.float32(2 ** 13 + 1)
-GRID = np.float32(0.75)
-
-
-SMALL = 4096  # below this many elements the two casts beat the dozen arithmetic passes
+F16_ROUNDS_TO_INF = np.float32(65520.0)  # from here |x| rounds to inf
+SMALL = 4096  # below this many elements numpy's cast beats a dozen fast passes
+CHUNK = 1 << 16  # float32 arrays are rounded in place this many elements at a time
 
 
 def round_in_place(a: np.ndarray, underflow: Underflow | None = None, tensor: int = -1):
-    """A closure rounding the float32 array `a` in place to float16 values; with
-    `underflow`, it also counts the elements that became zero, under `tensor`.
-    Its scratch joins the layout of the kernel being built."""
-    return (_cast_rounder if a.size < SMALL else _arithmetic_rounder)(a, underflow, tensor)
-
-
-def _cast_rounder(a: np.ndarray, underflow: Underflow | None, tensor: int):
-    half = scratch(a.shape, HALF)
-
-    def step():
-        before = np.count_nonzero(a) if underflow is not None else 0
-        np.copyto(half, a, casting="unsafe")  # overflow to inf is meant: callers silence it
-        np.copyto(a, half)
-        if underflow is not None:
-            underflow.add(tensor, before - np.count_nonzero(a), a.size)
-        return False
-    return step
-
-
-def _arithmetic_rounder(a: np.ndarray, underflow: Underflow | None, tensor: int):
-    mag, split, grid = (scratch(a.shape, a.dtype) for _ in range(3))
-    normal, subnormal = scratch(a.shape, a.dtype), scratch(a.shape, a.dtype)  # 1.0/0.0 masks
-    flags = scratch(a.shape, bool)
-    cast = _cast_rounder(a, None, tensor)
-
-    def count_lost() -> None:
-        np.less_equal(mag, F16_LOST, out=flags)
-        lost = np.count_nonzero(flags)
-        np.equal(mag, 0, out=flags)
-        underflow.add(tensor, lost - np.count_nonzero(flags), a.size)
+    """A closure rounding the float32 array `a` in place to float16 values (a
+    store into float16 scratch and back, a chunk at a time); with `underflow`,
+    it also counts the elements that became zero, under `tensor`.  Its scratch
+    joins the layout of the kernel being built."""
+    flat = a.reshape(-1)
+    size = min(flat.size, CHUNK)
+    half, work = scratch((size,), HALF), narrow_work((size,))
+    steps = []
+    for lo in range(0, flat.size, CHUNK):
+        part = flat[lo:lo + CHUNK]
+        steps += [narrow(part, half[:part.size], underflow, tensor, work),
+                  widen(half[:part.size], part)]
 
     def step():
-        np.abs(a, out=mag)
-        if underflow is not None:
-            count_lost()
-        if not mag.max() < F16_ROUNDS_TO_INF:
-            return cast()
-        np.multiply(a, SPLIT, out=split)
-        np.subtract(split, a, out=grid)
-        np.subtract(split, grid, out=split)
-        np.add(a, GRID, out=grid)
-        np.subtract(grid, GRID, out=grid)
-        np.less(mag, F16_MIN_NORMAL, out=subnormal)
-        np.greater_equal(mag, F16_MIN_NORMAL, out=normal)
-        np.multiply(split, normal, out=split)
-        np.multiply(grid, subnormal, out=grid)
-        np.add(split, grid, out=a)
-        return True
+        for s in steps:
+            s()
     return step
 
 
@@ -152,11 +107,17 @@ FROM_HALF_FIELD = np.float32(2.0 ** 112)
 HALF_INF_VALUE = np.float32(2.0 ** 16)  # where float16's inf lands
 
 
+def narrow_work(shape) -> tuple:
+    """Scratch for narrow(): closures that run one after the other may share it."""
+    return scratch(shape, np.uint32), scratch(shape, bool)
+
+
 def narrow(src: np.ndarray, dst: np.ndarray, underflow: Underflow | None = None,
-           tensor: int = -1):
+           tensor: int = -1, work: tuple | None = None):
     """A closure storing the float32 array `src` into the float16 array `dst`,
-    rounded to nearest even, counting underflow as `rounder` does; it
-    overwrites `src`.  Both contiguous, of one shape."""
+    rounded to nearest even, counting underflow as `round_in_place` does; it
+    overwrites `src`.  Both contiguous, of one shape; `work`: narrow_work() of
+    that shape or larger (default: scratch of its own)."""
     def cast_all() -> None:
         before = np.count_nonzero(src) if underflow is not None else 0
         np.copyto(dst, src, casting="unsafe")
@@ -166,7 +127,8 @@ def narrow(src: np.ndarray, dst: np.ndarray, underflow: Underflow | None = None,
         return cast_all
     a, out = src.view(np.uint32), dst.view(np.uint16)
     magnitude = src  # src's bits with the sign cleared
-    normal, subnormal = scratch(src.shape, np.uint32), scratch(src.shape, bool)
+    work = work or narrow_work(src.shape)
+    normal, subnormal = (w.reshape(-1)[:src.size].reshape(src.shape) for w in work)
 
     def count_lost() -> None:
         np.less_equal(a, F16_LOST_BITS, out=subnormal)

@@ -152,3 +152,26 @@ def test_fp16_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path):
     resumed = losses("--epochs", "2", "--checkpoint", ckpt) + \
         losses("--epochs", "4", "--checkpoint", ckpt, "--resume")
     assert resumed == straight
+
+
+def test_tiled_fp16_ops_train_as_whole_ones(tmp_path, monkeypatch):
+    """Ops on large fp16 batches run a few rows at a time (bounded float32 copies):
+    forced here on the cnn with tiny tiles, the losses match whole-batch runs up
+    to float32 summation order, and the tiles hold less scratch."""
+    import microtrain.executor as executor
+    frozen = split(FIXTURES / "cnn.tflite", tmp_path, precision="fp16").frozen
+    x, y = np.load(FIXTURES / "digits_images.npy")[:300], np.load(FIXTURES / "digits_onehot.npy")[:300]
+
+    def run():
+        t = Trainer(frozen, batch_size=32, optimizer="adam", loss_scale=make_loss_scale("dynamic"))
+        losses = [r["loss"] for r in t.fit([x], [y], epochs=2, shuffle=False)]
+        return losses, t.memory.workspace.buffer.nbytes
+    whole, whole_scratch = run()
+    tiled_ops = []
+    monkeypatch.setattr(executor, "TILE", 256)
+    monkeypatch.setattr(executor.Hooks, "_tiled", lambda self, g, op, *a, _t=executor.Hooks._tiled:
+                        tiled_ops.append(op.type) or _t(self, g, op, *a))
+    tiled, tiled_scratch = run()
+    assert {"CONV_2D", "Conv2DInputGrad", "Conv2DWeightGrad"} <= set(tiled_ops)
+    np.testing.assert_allclose(tiled, whole, rtol=1e-4)
+    assert tiled_scratch < whole_scratch / 2

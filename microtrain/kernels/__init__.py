@@ -21,6 +21,20 @@ Factory = Callable[..., Step]
 
 KERNELS: dict[str, Factory] = {}
 
+# How operators treat the rows of a leading batch axis (what lets the executor run
+# them on a batch a few rows at a time): each row of the outputs depends only on
+# the same row of the batch-shaped inputs...
+ROW_WISE = frozenset({
+    "CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED", "MAX_POOL_2D", "AVERAGE_POOL_2D",
+    "RELU", "RELU6", "RELU_N1_TO_1", "TANH", "LOGISTIC", "LEAKY_RELU", "ELU", "GELU",
+    "HARD_SWISH", "EXP", "LOG", "NEG", "SQRT", "RSQRT", "SQUARE", "SOFTMAX", "LOG_SOFTMAX",
+    "ADD", "SUB", "MUL", "DIV", "MAXIMUM", "MINIMUM", "SQUARED_DIFFERENCE", "ADD_N",
+    "ActivationGrad", "Conv2DInputGrad", "DepthwiseConv2DInputGrad", "FullyConnectedInputGrad",
+    "MaxPool2DGrad", "AveragePool2DGrad", "SoftmaxGrad", "LogSoftmaxGrad"})
+# ...or the (only) output is a sum over the rows of the batch-shaped inputs.
+ROW_SUMS = frozenset({"FullyConnectedWeightGrad", "Conv2DWeightGrad",
+                      "DepthwiseConv2DWeightGrad", "BiasGrad"})
+
 
 def kernel(name: str) -> Callable[[Factory], Factory]:
     """Register a kernel factory under an operator name."""

@@ -9,6 +9,7 @@ scalar are as fast or faster and np.clip with scalar bounds is the fastest
 clip, so large activations need no constant arrays as large as themselves.
 """
 from functools import partial
+from math import prod
 
 import numpy as np
 
@@ -34,13 +35,14 @@ def full(like, value):
 
 
 def filled(shape, dtype, value):
-    """A read-only array of `shape` filled with `value`, shared by the kernels
-    of a workspace (and, as leading rows, by the steps of smaller batches)."""
+    """A read-only array of `shape` filled with `value`: a view of the leading
+    elements of one array per value, shared by the kernels of a workspace
+    whatever their shapes."""
     def make(s):
         a = np.full(s, value, dtype)
         a.flags.writeable = False
         return a
-    return kept(("filled", value), shape, dtype, make)
+    return kept(("filled", value), (prod(shape),), dtype, make).reshape(shape)
 
 
 def constant(like, value):
