@@ -168,7 +168,8 @@ def _progress(length: int, label: str):
 # judged.  Every other option of `run` can be swept, except those the sweep replaces with its
 # own log and saving rule.
 SWEEP_FIXED = ("frozen", "wof", "backprop", "inputs", "input_shapes", "targets", "target_shapes",
-               "test_inputs", "test_targets", "validation_split", "metric", "output_wof", "as_json")
+               "test_inputs", "test_targets", "validation_split", "metric", "output_wof", "force",
+               "as_json")
 SWEEP_REPLACES = ("checkpoint", "resume", "save")
 SWEEPABLE = [p for p in run.params
              if isinstance(p, click.Option) and p.name not in SWEEP_FIXED + SWEEP_REPLACES]
