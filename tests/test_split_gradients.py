@@ -162,6 +162,40 @@ def mobile_activations(m: GraphMaker):
     return [x], [m.op("LOG_SOFTMAX", [out], (-1, 4))], (5,), "mse"
 
 
+def layout_ops(m: GraphMaker):
+    """DEPTH_TO_SPACE, MIRROR_PAD, STRIDED_SLICE, SPACE_TO_DEPTH, PADV2, SPLIT, SPLIT_V with an
+    unused part, SUM, REDUCE_MAX, GATHER with a repeated index, EXPAND_DIMS, SLICE,
+    L2_NORMALIZATION with a fused RELU."""
+    def ints(*v):
+        return m.tensor((len(v),), v, np.int32) if np.ndim(v[0]) == 0 else \
+            m.tensor(np.shape(v), v, np.int32)
+    x = m.tensor((-1, 4, 4, 2))
+    a = m.op("CONV_2D", [x, m.weight(8, 1, 1, 2), m.weight(8)], (-1, 4, 4, 8), padding=1,
+             stride_w=1, stride_h=1)
+    b = m.op("DEPTH_TO_SPACE", [a], (-1, 8, 8, 2), block_size=2)
+    c = m.op("MIRROR_PAD", [b, ints([0, 0], [1, 2], [2, 1], [0, 0])], (-1, 11, 11, 2), mode=0)
+    d = m.op("STRIDED_SLICE", [c, ints(0, 1, 0, 0), ints(0, 9, 11, 2), ints(1, 2, 3, 1)],
+             (-1, 4, 4, 2), begin_mask=1, end_mask=1)
+    e = m.op("SPACE_TO_DEPTH", [d], (-1, 2, 2, 8), block_size=2)
+    f = m.op("PADV2", [e, ints([0, 0], [1, 0], [0, 1], [0, 0]), m.tensor((1,), [0.5])],
+             (-1, 3, 3, 8))
+    g, h = m.tensor((-1, 3, 3, 4)), m.tensor((-1, 3, 3, 4))
+    m.ops.append(Op(len(m.ops), "SPLIT", [ints(3), f], [g, h], {"num_splits": 2}))
+    parts = [m.tensor((-1, 1, 3, 4)) for _ in range(3)]
+    m.ops.append(Op(len(m.ops), "SPLIT_V", [g, ints(1, -1, 1), ints(1)], parts, {"num_splits": 3}))
+    j = m.op("SUM", [parts[0], ints(1)], (-1, 3, 4), keep_dims=False)
+    k = m.op("REDUCE_MAX", [h, ints(1, 2)], (-1, 4), keep_dims=False)
+    gathered = m.op("GATHER", [j, ints(2, 0, 2)], (-1, 3, 4), axis=1)
+    expanded = m.op("EXPAND_DIMS", [k, ints(1)], (-1, 1, 4))
+    n = m.op("SLICE", [parts[2], ints(0, 0, 1, 0), ints(-1, 1, 2, -1)], (-1, 1, 2, 4))
+    flat = [m.op("RESHAPE", [t, ints(-1, size)], (-1, size))
+            for t, size in ((gathered, 12), (expanded, 4), (n, 8))]
+    joined = m.op("CONCATENATION", flat, (-1, 24), axis=1)
+    o = m.op("L2_NORMALIZATION", [joined], (-1, 24), fused_activation_function=1)
+    out = m.op("FULLY_CONNECTED", [o, m.weight(3, 24), m.weight(3)], (-1, 3))
+    return [x], [m.op("SOFTMAX", [out], (-1, 3))], (4, 4, 2), "cce"
+
+
 def _targets(loss: str, out_shape, n: int) -> np.ndarray:
     if loss == "cce":
         return np.eye(out_shape[-1], dtype=np.float32)[RNG.integers(0, out_shape[-1], n)]
@@ -171,7 +205,7 @@ def _targets(loss: str, out_shape, n: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("build", [conv_block, elementwise, shape_ops, logistic_head,
-                                   mobile_activations])
+                                   mobile_activations, layout_ops])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_rule_gradients_match_torch(build, reduction, tmp_path):
     m = GraphMaker()

@@ -54,6 +54,38 @@ def pool(x, o, kind):
     return y.permute(0, 2, 3, 1)
 
 
+def _mirror_pad(x, paddings, mode):
+    """Mirror padding as a gather of x's elements by numpy's padded index."""
+    index = np.pad(np.arange(int(np.prod(x.shape[1:]))).reshape(x.shape[1:]), paddings[1:],
+                   mode=("reflect", "symmetric")[mode])
+    return x.reshape(x.shape[0], -1)[:, torch.tensor(index.reshape(-1))].reshape(-1, *index.shape)
+
+
+def _depth_space(x, b, to_space):
+    """TFLite's DEPTH_TO_SPACE (channel (i·b+j)·C + c goes to pixel offset (i, j)) or its inverse."""
+    n, h, w, c = x.shape
+    if to_space:
+        return x.reshape(n, h, w, b, b, c // (b * b)).permute(0, 1, 3, 2, 4, 5).reshape(
+            n, h * b, w * b, c // (b * b))
+    return x.reshape(n, h // b, b, w // b, b, c).permute(0, 1, 3, 2, 4, 5).reshape(
+        n, h // b, w // b, b * b * c)
+
+
+def _slices(op, g):
+    """SLICE, or STRIDED_SLICE with positive strides, begin/end/shrink masks only."""
+    data = [g.tensors[t].data.reshape(-1).tolist() for t in op.inputs[1:]]
+    if op.type == "SLICE":
+        return tuple(slice(b, None if s == -1 else b + s) for b, s in zip(*data))
+    o, index = op.options, []
+    for i, (b, e, s) in enumerate(zip(*data)):
+        if o.get("shrink_axis_mask", 0) >> i & 1:
+            index.append(b)
+        else:
+            index.append(slice(None if o.get("begin_mask", 0) >> i & 1 else b,
+                               None if o.get("end_mask", 0) >> i & 1 else e, s))
+    return tuple(index)
+
+
 def run_op(op, v, g: Graph):
     x = [v.get(i) for i in op.inputs]  # integer constants are read from the graph
     o = op.options
@@ -72,7 +104,7 @@ def run_op(op, v, g: Graph):
     if t == "MEAN":
         axes = [int(a) for a in np.atleast_1d(g.tensors[op.inputs[1]].data)]
         return x[0].mean(dim=axes, keepdim=bool(o.get("keep_dims")))
-    if t in ("RESHAPE", "SQUEEZE"):
+    if t in ("RESHAPE", "SQUEEZE", "EXPAND_DIMS"):
         return x[0].reshape(-1, *g.tensors[op.outputs[0]].shape[1:])
     if t == "SOFTMAX":
         return torch.softmax(x[0] * o.get("beta", 1.0), dim=-1)
@@ -96,6 +128,28 @@ def run_op(op, v, g: Graph):
     if t == "PAD":
         pads = g.tensors[op.inputs[1]].data
         return F.pad(x[0], tuple(int(p) for pair in pads[::-1] for p in pair))
+    if t in ("PADV2", "MIRROR_PAD"):
+        pads = tuple(int(p) for pair in g.tensors[op.inputs[1]].data[::-1] for p in pair)
+        if t == "PADV2":
+            return F.pad(x[0], pads, value=float(g.tensors[op.inputs[2]].data.reshape(-1)[0]))
+        return _mirror_pad(x[0], g.tensors[op.inputs[1]].data, o.get("mode", 0))
+    if t in ("DEPTH_TO_SPACE", "SPACE_TO_DEPTH"):
+        return _depth_space(x[0], o["block_size"], t == "DEPTH_TO_SPACE")
+    if t in ("STRIDED_SLICE", "SLICE"):
+        return x[0][_slices(op, g)]
+    if t in ("SPLIT", "SPLIT_V"):
+        data, axis = (x[1], op.inputs[0]) if t == "SPLIT" else (x[0], op.inputs[2])
+        axis = int(g.tensors[axis].data.reshape(-1)[0])
+        return torch.split(data, [g.tensors[u].shape[axis] for u in op.outputs], dim=axis)
+    if t == "GATHER":
+        index = torch.tensor(g.tensors[op.inputs[1]].data.astype(np.int64))
+        return torch.index_select(x[0], o.get("axis", 0), index.reshape(-1))
+    if t in ("SUM", "REDUCE_MAX"):
+        axes = [int(a) for a in np.atleast_1d(g.tensors[op.inputs[1]].data)]
+        reduce = torch.sum if t == "SUM" else torch.amax
+        return reduce(x[0], dim=axes, keepdim=bool(o.get("keep_dims")))
+    if t == "L2_NORMALIZATION":
+        return act(x[0] / x[0].norm(dim=-1, keepdim=True).clamp_min(1e-6))
     if t == "TRANSPOSE":
         return x[0].permute(*[int(p) for p in g.tensors[op.inputs[1]].data])
     if t == "BATCH_MATMUL":
@@ -135,8 +189,10 @@ def reference_gradients(g: Graph, weights: dict[int, np.ndarray], inputs, target
         v[i] = torch.tensor(np.asarray(x, np.float64))
     last = {}
     for op in g.ops:
-        v[op.outputs[0]] = run_op(op, v, g)
-        last[op.outputs[0]] = op
+        y = run_op(op, v, g)
+        for t, value in zip(op.outputs, y if isinstance(y, tuple) else (y,)):
+            v[t] = value
+            last[t] = op
     out = g.outputs[0]
     final = last[out].type if last[out].type in ("SOFTMAX", "LOGISTIC") else None
     logits = v[last[out].inputs[0]] if final else None

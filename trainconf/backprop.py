@@ -166,7 +166,7 @@ def build_backprop(fwd: Graph, trainable: list[int], loss: str, reduction: str,
     layers: list[int] = []
     loss_tensor, targets = _seed_loss(b, loss, reduction, skip, grads)
     for op in reversed(fwd.ops):
-        if op.index in skip or op.outputs[0] not in grads:
+        if op.index in skip or not any(t in grads for t in op.outputs):
             continue
         needs = [t >= 0 and t in needed for t in op.inputs]
         if not any(needs):
@@ -174,7 +174,11 @@ def build_backprop(fwd: Graph, trainable: list[int], loss: str, reduction: str,
         rule = spec(op.type).gradient
         if rule is None:
             raise unsupported(op)
-        dy = b.accumulate(grads[op.outputs[0]], fwd.tensors[op.outputs[0]].name)
+        # one dY per output, None for an output no gradient reaches; a rule of
+        # a single-output op gets that output's dY alone
+        dys = [b.accumulate(grads[t], fwd.tensors[t].name) if t in grads else None
+               for t in op.outputs]
+        dy = dys if len(dys) > 1 else dys[0]
         op_grads = rule(b, op, dy, needs)
         if spec(op.type).layer and op_grads[0] is not None:
             layers.append(op_grads[0])

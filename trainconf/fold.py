@@ -9,6 +9,7 @@ import numpy as np
 
 from microtrain.errors import UserError
 from microtrain.graph import Graph, Op
+from microtrain.kernels.shape import strided_index
 
 
 def shape(g: Graph, op: Op, values):
@@ -17,14 +18,7 @@ def shape(g: Graph, op: Op, values):
 
 def strided_slice(g: Graph, op: Op, values):
     x, begin, end, strides = (values[t] for t in op.inputs)
-    o = op.options
-    if x.ndim != 1 or o.get("ellipsis_mask") or o.get("new_axis_mask"):
-        raise ValueError("only 1-D strided slices of shapes fold")
-    start = None if o.get("begin_mask", 0) & 1 else int(begin[0])
-    stop = None if o.get("end_mask", 0) & 1 else int(end[0])
-    if o.get("shrink_axis_mask", 0) & 1:
-        return np.array(x[int(begin[0])], x.dtype)
-    return x[start:stop:int(strides[0])]
+    return np.asarray(x[strided_index(x.ndim, begin, end, strides, **op.options)])
 
 
 def pack(g: Graph, op: Op, values):

@@ -10,6 +10,7 @@ math of each operator is in schemas/backprop.md and microtrain/kernels.
 import numpy as np
 
 from microtrain.errors import UserError
+from microtrain.graph import BATCH
 
 # Fused activation codes (circle ActivationFunctionType) as ActivationGrad names.
 FUSED_NAMES = {1: "relu", 2: "relu_n1_to_1", 3: "relu6", 4: "tanh"}
@@ -73,10 +74,24 @@ def average_pool(b, op, dy, needs):
     return [b.emit("AveragePool2DGrad", [dz], like=op.inputs[0], **_pick(op.options, POOL_OPTIONS))]
 
 
-def mean(b, op, dy, needs):
-    axis = [int(a) for a in np.atleast_1d(b.constant_of(op.inputs[1]))]
-    return [b.emit("MeanGrad", [dy], like=op.inputs[0], axis=axis,
+def _axis(b, op) -> list[int]:
+    return [int(a) for a in np.atleast_1d(b.constant_of(op.inputs[1]))]
+
+
+def mean_sum(b, op, dy, needs):
+    return [b.emit("MeanGrad" if op.type == "MEAN" else "SumGrad", [dy], like=op.inputs[0],
+                   axis=_axis(b, op), keep_dims=bool(op.options.get("keep_dims", False))), None]
+
+
+def reduce_max(b, op, dy, needs):
+    x, y = op.inputs[0], op.outputs[0]
+    return [b.emit("ReduceMaxGrad", [dy, b.forward(x), b.forward(y)], like=x, axis=_axis(b, op),
                    keep_dims=bool(op.options.get("keep_dims", False))), None]
+
+
+def l2_normalization(b, op, dy, needs):
+    x = op.inputs[0]
+    return [b.emit("L2NormalizationGrad", [through_fused(b, op, dy), b.forward(x)], like=x)]
 
 
 def reshape(b, op, dy, needs):
@@ -151,7 +166,59 @@ def concatenation(b, op, dy, needs):
 
 def pad(b, op, dy, needs):
     before = [int(p) for p in b.constant_of(op.inputs[1])[:, 0]]
-    return [b.slice(dy, before, op.inputs[0]), None]
+    return [b.slice(dy, before, op.inputs[0])] + [None] * (len(op.inputs) - 1)
+
+
+def mirror_pad(b, op, dy, needs):
+    paddings = b.const(np.asarray(b.constant_of(op.inputs[1]), np.int32), "paddings")
+    return [b.emit("MirrorPadGrad", [dy, paddings], like=op.inputs[0],
+                   mode=int(op.options.get("mode", 0))), None]
+
+
+def depth_space(b, op, dy, needs):
+    inverse = "SPACE_TO_DEPTH" if op.type == "DEPTH_TO_SPACE" else "DEPTH_TO_SPACE"
+    return [b.emit(inverse, [dy], like=op.inputs[0], block_size=op.options["block_size"])]
+
+
+STRIDED_OPTIONS = ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
+                   "shrink_axis_mask", "offset")
+
+
+def _strided_slice_grad(b, dy, x, begin, end, strides, **options):
+    consts = [b.const(np.asarray(v, np.int32), name)
+              for v, name in ((begin, "begin"), (end, "end"), (strides, "strides"))]
+    return b.emit("StridedSliceGrad", [dy, *consts], like=x, **options)
+
+
+def strided_slice(b, op, dy, needs):
+    begin, end, strides = (b.constant_of(t) for t in op.inputs[1:4])
+    return [_strided_slice_grad(b, dy, op.inputs[0], begin, end, strides,
+                                **_pick(op.options, STRIDED_OPTIONS)), None, None, None]
+
+
+def slice_(b, op, dy, needs):
+    begin, size = (np.asarray(b.constant_of(t)).reshape(-1) for t in op.inputs[1:3])
+    to_end = size == -1
+    end_mask = sum(1 << i for i in np.flatnonzero(to_end).tolist())
+    return [_strided_slice_grad(b, dy, op.inputs[0], begin, np.where(to_end, 0, begin + size),
+                                np.ones_like(begin), end_mask=end_mask), None, None]
+
+
+def split(b, op, dy, needs):
+    dys = dy if isinstance(dy, list) else [dy]
+    x, axis = (op.inputs[1], op.inputs[0]) if op.type == "SPLIT" else (op.inputs[0], op.inputs[2])
+    axis = int(np.asarray(b.constant_of(axis)).reshape(-1)[0])
+    sizes = [b.fwd.tensors[t].shape[axis] for t in op.outputs]
+    if BATCH in sizes:
+        raise UserError(None, f"operator {op.index} ({op.type}) splits the batch axis")
+    dx = b.emit("SplitGrad", [-1 if d is None else d for d in dys], like=x, axis=axis, sizes=sizes)
+    return [None, dx] if op.type == "SPLIT" else [dx, None, None]
+
+
+def gather(b, op, dy, needs):
+    x, indices = op.inputs[:2]
+    index = b.const(np.asarray(b.constant_of(indices), np.int32), "indices")
+    return [b.emit("GatherGrad", [dy, index], like=x, axis=int(op.options.get("axis", 0))), None]
 
 
 def transpose(b, op, dy, needs):

@@ -12,6 +12,7 @@ import numpy as np
 from ..errors import OperatorError
 from . import kernel
 from .activations import noop, then_activate
+from .workspace import scratch
 
 
 def _check_shape(op, view, y):
@@ -21,6 +22,7 @@ def _check_shape(op, view, y):
 
 @kernel("RESHAPE")
 @kernel("SQUEEZE")
+@kernel("EXPAND_DIMS")
 def reshape(inputs, outputs, **_):
     """y = x with y's shape (the output's shape is authoritative): a copy, or
     nothing when x and y already share their memory."""
@@ -40,18 +42,92 @@ def concatenation(inputs, outputs, axis=0, fused_activation_function=0, **_):
     return then_activate(join, fused_activation_function, y)
 
 
-@kernel("PAD")
-def pad(inputs, outputs, **_):
-    """y = x with paddings[i] = (before, after) zeros around axis i."""
-    x, paddings = inputs[:2]
-    (y,) = outputs
+def _pad_widths(x, paddings):
+    return [(int(before), int(after)) for before, after in np.asarray(paddings).reshape(-1, 2)]
+
+
+def _interior(y, x, paddings, op):
+    """The view of y that holds x when y is x padded by `paddings`."""
     inner = y[tuple(slice(before, before + n)
-                    for (before, _), n in zip(paddings.tolist(), x.shape))]
-    _check_shape("PAD", inner, x)
+                    for (before, _), n in zip(_pad_widths(x, paddings), x.shape))]
+    _check_shape(op, inner, x)
+    return inner
+
+
+@kernel("PAD")
+@kernel("PADV2")
+def pad(inputs, outputs, **_):
+    """y = x with paddings[i] = (before, after) elements around axis i, of
+    value 0 (PAD) or of the constant input 2 (PADV2)."""
+    x, paddings = inputs[:2]
+    value = float(np.asarray(inputs[2]).reshape(-1)[0]) if len(inputs) > 2 else 0.0
+    (y,) = outputs
+    inner = _interior(y, x, paddings, "PAD")
 
     def step():
-        y.fill(0)
+        y.fill(value)
         np.copyto(inner, x)
+    return step
+
+
+REFLECT, SYMMETRIC = 0, 1  # MirrorPadMode
+
+
+def _mirrored(a, axis, before, after, n, mode):
+    """(border, source) view pairs along `axis` of the padded array a whose
+    interior starts at `before` and holds n elements: each border mirrors its
+    source (REFLECT skips the edge element, SYMMETRIC repeats it)."""
+    skip = 1 if mode == REFLECT else 0
+    lead = (slice(None),) * axis
+
+    def view(start, stop, step=1):
+        return a[lead + (slice(start, stop, step),)]
+    pairs = []
+    if before:  # border [0, before) mirrors [before + skip, before + skip + before) reversed
+        first = before + skip + before - 1
+        pairs.append((view(0, before), view(first, before + skip - 1 if before + skip else None, -1)))
+    if after:
+        end = before + n  # border [end, end + after) mirrors the elements before end - skip
+        last = end - 1 - skip
+        stop = last - after
+        pairs.append((view(end, end + after), view(last, stop if stop >= 0 else None, -1)))
+    return pairs
+
+
+@kernel("MIRROR_PAD")
+def mirror_pad(inputs, outputs, mode=REFLECT, **_):
+    """y = x padded by mirror images of itself, axis after axis (each axis's
+    borders copy from the already padded earlier axes)."""
+    x, paddings = inputs[:2]
+    (y,) = outputs
+    inner = _interior(y, x, paddings, "MIRROR_PAD")
+    pairs = [pair for axis, ((before, after), n) in enumerate(zip(_pad_widths(x, paddings), x.shape))
+             for pair in _mirrored(y, axis, before, after, n, mode)]
+
+    def step():
+        np.copyto(inner, x)
+        for border, source in pairs:
+            np.copyto(border, source)
+    return step
+
+
+@kernel("MirrorPadGrad")
+def mirror_pad_grad(inputs, outputs, mode=REFLECT, **_):
+    """dX = the interior of dY plus each border of dY added onto the elements
+    it mirrored, folding the axes back in reverse order."""
+    dy, paddings = inputs[:2]
+    (dx,) = outputs
+    acc = scratch(dy.shape, dy.dtype)
+    widths = _pad_widths(dx, paddings)
+    pairs = [pair for axis in reversed(range(dx.ndim))
+             for pair in _mirrored(acc, axis, *widths[axis], dx.shape[axis], mode)]
+    inner = _interior(acc, dx, paddings, "MirrorPadGrad")
+
+    def step():
+        np.copyto(acc, dy)
+        for border, source in pairs:
+            np.add(source, border, out=source)
+        np.copyto(dx, inner)
     return step
 
 
@@ -76,32 +152,180 @@ def transpose(inputs, outputs, **_):
     return partial(np.copyto, y, view)
 
 
-def _reduction(shape, axis):
-    """(reduced axes, shape with those axes kept as 1, reduced element count)
-    for axis values that may be negative or repeated."""
-    axes = tuple(sorted({a % len(shape) for a in np.atleast_1d(axis).astype(int).tolist()}))
-    kept = tuple(1 if i in axes else d for i, d in enumerate(shape))
-    return axes, kept, prod(shape[a] for a in axes)
+def _blocks(deep, block_size):
+    """The NHWC array `deep` [N, H, W, b*b*C] as [N, H, b, W, b, C] (a view
+    ordered like its pixels after DEPTH_TO_SPACE) and [N, H, W, b, b, C]."""
+    n, h, w, c = deep.shape
+    b = block_size
+    return (n, h, b, w, b, c // (b * b)), (0, 1, 3, 2, 4, 5)
 
 
-@kernel("MEAN")
-def mean(inputs, outputs, **_):
-    """y = mean of x over the constant `axis` input (keep_dims only decides
-    y's shape, which is given)."""
-    x, axis = inputs[:2]
+@kernel("DEPTH_TO_SPACE")
+def depth_to_space(inputs, outputs, block_size=1, **_):
+    """y[n, h·b+i, w·b+j, c] = x[n, h, w, (i·b+j)·C + c], b = block_size."""
+    (x,), (y,) = inputs, outputs
+    shape, order = _blocks(x, block_size)
+    view = y.reshape(shape).transpose(order)
+    return partial(np.copyto, view, x.reshape(view.shape))
+
+
+@kernel("SPACE_TO_DEPTH")
+def space_to_depth(inputs, outputs, block_size=1, **_):
+    """The inverse of DEPTH_TO_SPACE: y[n, h, w, (i·b+j)·C + c] = x[n, h·b+i, w·b+j, c]."""
+    (x,), (y,) = inputs, outputs
+    shape, order = _blocks(y, block_size)
+    view = x.reshape(shape).transpose(order)
+    return partial(np.copyto, y.reshape(view.shape), view)
+
+
+def strided_index(rank, begin, end, strides, begin_mask=0, end_mask=0, ellipsis_mask=0,
+                  new_axis_mask=0, shrink_axis_mask=0, offset=False, **_):
+    """STRIDED_SLICE's selection as a numpy index (slices, ints, None, Ellipsis)
+    over an array of `rank` axes.  Python slices clamp and wrap negative bounds
+    as TFLite does; a shrunk axis is an int, a new axis None; with `offset`,
+    end is relative to begin."""
+    index = []
+    for i, (b, e, s) in enumerate(zip(*(np.asarray(v).reshape(-1).tolist()
+                                        for v in (begin, end, strides)))):
+        bit = 1 << i
+        if ellipsis_mask & bit:
+            index.append(Ellipsis)
+        elif new_axis_mask & bit:
+            index.append(None)
+        elif shrink_axis_mask & bit:
+            index.append(b)
+        else:
+            stop = None if end_mask & bit else (b + e if offset else e)
+            index.append(slice(None if begin_mask & bit else b, stop, s))
+    if Ellipsis not in index and len(index) - index.count(None) > rank:
+        raise ValueError(f"STRIDED_SLICE: {len(index)} axes given for rank {rank}")
+    return tuple(index)
+
+
+def _strided_view(x, y_shape, begin, end, strides, options):
+    view = x[strided_index(x.ndim, begin, end, strides, **options)]
+    if view.size != prod(y_shape):
+        raise ValueError(f"STRIDED_SLICE: selects {view.shape} but the output is {tuple(y_shape)}")
+    return view
+
+
+@kernel("STRIDED_SLICE")
+def strided_slice(inputs, outputs, **options):
+    """y = x[begin:end:strides] per axis, with TFLite's masks (see strided_index)."""
+    x, begin, end, strides = inputs[:4]
     (y,) = outputs
-    axes, kept, count = _reduction(x.shape, axis)
-    y_kept = y.reshape(kept)
+    view = _strided_view(x, y.shape, begin, end, strides, options)
+    return partial(np.copyto, y.reshape(view.shape), view)
+
+
+@kernel("StridedSliceGrad")
+def strided_slice_grad(inputs, outputs, **options):
+    """dX = 0 except dX[begin:end:strides] = dY (one selected element gets one dY)."""
+    dy, begin, end, strides = inputs[:4]
+    (dx,) = outputs
+    view = _strided_view(dx, dy.shape, begin, end, strides, options)
+    dy_view = dy.reshape(view.shape)
 
     def step():
-        np.add.reduce(x, axis=axes, keepdims=True, out=y_kept)
-        np.divide(y_kept, count, out=y_kept)
+        dx.fill(0)
+        np.copyto(view, dy_view)
     return step
 
 
-@kernel("MeanGrad")
-def mean_grad(inputs, outputs, axis=(), **_):
-    """dX = dY broadcast back over the reduced axes / reduced element count."""
-    (dy,), (dx,) = inputs, outputs
-    _, kept, count = _reduction(dx.shape, axis)
-    return partial(np.divide, dy.reshape(kept), count, out=dx)
+def _parts(total, axis, size_splits=None, num_splits=1):
+    """(start, stop) of each part along axis; one size of size_splits may be -1."""
+    if size_splits is None:
+        sizes = [total // num_splits] * num_splits
+    else:
+        sizes = [int(n) for n in np.asarray(size_splits).reshape(-1)]
+        if -1 in sizes:
+            sizes[sizes.index(-1)] = total - sum(n for n in sizes if n != -1)
+    ends = np.cumsum([0] + sizes).tolist()
+    if ends[-1] != total:
+        raise ValueError(f"SPLIT: parts {sizes} do not add up to {total}")
+    return list(zip(ends, ends[1:]))
+
+
+def _split(x, outputs, axis, **parts):
+    axis = int(np.asarray(axis).reshape(-1)[0]) % x.ndim
+    lead = (slice(None),) * axis
+    views = [x[lead + (slice(a, b),)] for a, b in _parts(x.shape[axis], axis, **parts)]
+    for view, y in zip(views, outputs):
+        _check_shape("SPLIT", view, y)
+    copies = [partial(np.copyto, y, view) for y, view in zip(outputs, views)]
+
+    def step():
+        for copy in copies:
+            copy()
+    return step
+
+
+@kernel("SPLIT")
+def split(inputs, outputs, num_splits=1, **_):
+    """outputs = x (input 1) cut into num_splits equal parts along axis (input 0)."""
+    axis, x = inputs[:2]
+    return _split(x, outputs, axis, num_splits=num_splits)
+
+
+@kernel("SPLIT_V")
+def split_v(inputs, outputs, **_):
+    """outputs = x cut along axis (input 2) into parts of size_splits (input 1)."""
+    x, sizes, axis = inputs[:3]
+    return _split(x, outputs, axis, size_splits=sizes)
+
+
+@kernel("SplitGrad")
+def split_grad(inputs, outputs, axis=0, sizes=(), **_):
+    """dX = the dY of each part (input i, or zeros where it is absent) joined along axis."""
+    (dx,) = outputs
+    axis %= dx.ndim
+    lead = (slice(None),) * axis
+    views = [dx[lead + (slice(a, b),)] for a, b in _parts(dx.shape[axis], axis, size_splits=sizes)]
+    steps = [partial(np.copyto, view, dy) if dy is not None else partial(view.fill, 0)
+             for view, dy in zip(views, inputs)]
+
+    def step():
+        for part in steps:
+            part()
+    return step
+
+
+def _gather_index(x, indices, axis):
+    axis %= x.ndim
+    flat = np.asarray(indices, np.intp).reshape(-1)
+    if flat.size and not (0 <= flat.min() and flat.max() < x.shape[axis]):
+        raise ValueError(f"GATHER: indices outside [0, {x.shape[axis]})")
+    return axis, flat, x.shape[:axis] + (flat.size,) + x.shape[axis + 1:]
+
+
+@kernel("GATHER")
+def gather(inputs, outputs, axis=0, batch_dims=0, **_):
+    """y = x's slices at the constant `indices` along axis (batch_dims 0)."""
+    x, indices = inputs[:2]
+    (y,) = outputs
+    if batch_dims:
+        raise ValueError("GATHER: batch_dims other than 0 is not supported")
+    axis, flat, flat_shape = _gather_index(x, indices, axis)
+    if prod(flat_shape) != y.size:
+        raise ValueError(f"GATHER: gathers {flat_shape} but the output is {y.shape}")
+    return partial(np.take, x, flat, axis=axis, out=y.reshape(flat_shape), mode="wrap")
+
+
+@kernel("GatherGrad")
+def gather_grad(inputs, outputs, axis=0, **_):
+    """dX = 0 with each dY slice added at its index along axis (repeated
+    indices add up)."""
+    dy, indices = inputs[:2]
+    (dx,) = outputs
+    axis, flat, flat_shape = _gather_index(dx, indices, axis)
+    dy_flat = dy.reshape(flat_shape)
+    at = (slice(None),) * axis + (flat,)
+    unique = np.unique(flat).size == flat.size
+
+    def step():
+        dx.fill(0)
+        if unique:
+            dx[at] = dy_flat
+        else:
+            np.add.at(dx, at, dy_flat)
+    return step

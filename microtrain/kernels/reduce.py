@@ -1,0 +1,128 @@
+"""Reductions over constant axes (MEAN, SUM, REDUCE_MAX), L2_NORMALIZATION
+over the last axis, and their gradients."""
+from functools import partial
+from math import prod
+
+import numpy as np
+
+from . import kernel
+from .activations import row_sums, rows, then_activate
+from .workspace import scratch
+
+
+def _reduction(shape, axis):
+    """(reduced axes, shape with those axes kept as 1, reduced element count)
+    for axis values that may be negative or repeated."""
+    axes = tuple(sorted({a % len(shape) for a in np.atleast_1d(axis).astype(int).tolist()}))
+    kept = tuple(1 if i in axes else d for i, d in enumerate(shape))
+    return axes, kept, prod(shape[a] for a in axes)
+
+
+def _reduce(ufunc, divide=False):
+    """y = ufunc reduced over the constant `axis` input (keep_dims only decides
+    y's shape, which is given); MEAN divides by the reduced element count."""
+    def factory(inputs, outputs, **_):
+        x, axis = inputs[:2]
+        (y,) = outputs
+        axes, kept, count = _reduction(x.shape, axis)
+        y_kept = y.reshape(kept)
+
+        def step():
+            ufunc.reduce(x, axis=axes, keepdims=True, out=y_kept)
+            if divide:
+                np.divide(y_kept, count, out=y_kept)
+        return step
+    return factory
+
+
+kernel("MEAN")(_reduce(np.add, divide=True))
+kernel("SUM")(_reduce(np.add))
+kernel("REDUCE_MAX")(_reduce(np.maximum))
+
+
+@kernel("MeanGrad")
+def mean_grad(inputs, outputs, axis=(), **_):
+    """dX = dY broadcast back over the reduced axes / reduced element count."""
+    (dy,), (dx,) = inputs, outputs
+    _, kept, count = _reduction(dx.shape, axis)
+    return partial(np.divide, dy.reshape(kept), count, out=dx)
+
+
+@kernel("SumGrad")
+def sum_grad(inputs, outputs, axis=(), **_):
+    """dX = dY broadcast back over the reduced axes."""
+    (dy,), (dx,) = inputs, outputs
+    _, kept, _ = _reduction(dx.shape, axis)
+    return partial(np.copyto, dx, dy.reshape(kept))
+
+
+@kernel("ReduceMaxGrad")
+def reduce_max_grad(inputs, outputs, axis=(), **_):
+    """dX = dY at the maxima of X over the reduced axes, shared equally among
+    tied maxima (as TensorFlow and PyTorch's amax)."""
+    (dy, x, y), (dx,) = inputs, outputs
+    axes, kept, _ = _reduction(dx.shape, axis)
+    dy_kept, y_kept = dy.reshape(kept), y.reshape(kept)
+    hit = scratch(dx.shape, bool)
+    share = scratch(kept, dx.dtype)
+
+    def step():
+        np.equal(x, y_kept, out=hit)
+        np.add.reduce(hit, axis=axes, keepdims=True, out=share)
+        np.divide(dy_kept, share, out=share)
+        np.multiply(hit, share, out=dx)
+    return step
+
+
+EPSILON = 1e-6  # TFLite's floor on the norm
+
+
+def _row_norms(x2, squares, norms):
+    """A step writing norms = max(‖row‖, ε) for each row of the 2-D x2;
+    squares is a temporary shaped like x2."""
+    total = row_sums(squares, norms)
+
+    def step():
+        np.multiply(x2, x2, out=squares)
+        total()
+        np.sqrt(norms, out=norms)
+        np.maximum(norms, EPSILON, out=norms)
+    return step
+
+
+@kernel("L2_NORMALIZATION")
+def l2_normalization(inputs, outputs, fused_activation_function=0, **_):
+    """y = act(x / max(‖x‖, 1e-6)), the norm over the last axis."""
+    (x,), (y,) = inputs, outputs
+    x2, y2 = rows(x), rows(y)
+    norms = scratch((x2.shape[0], 1), x.dtype)
+    measure = _row_norms(x2, y2, norms)
+
+    def step():
+        measure()
+        np.divide(x2, norms, out=y2)
+    return then_activate(step, fused_activation_function, y)
+
+
+@kernel("L2NormalizationGrad")
+def l2_normalization_grad(inputs, outputs, **_):
+    """dX = (dY - Y·Σ_last(dY·Y)) / ‖X‖ with Y = X/‖X‖, or dY/ε where the
+    norm is at the floor ε = 1e-6 (a constant there)."""
+    (dy, x), (dx,) = inputs, outputs
+    dy2, x2, dx2 = rows(dy), rows(x), rows(dx)
+    norms, dots = scratch((x2.shape[0], 1), x.dtype), scratch((x2.shape[0], 1), x.dtype)
+    floored = scratch(norms.shape, bool)
+    measure, dot_total = _row_norms(x2, dx2, norms), row_sums(dx2, dots)
+
+    def step():
+        measure()
+        np.less_equal(norms, EPSILON, out=floored)
+        np.multiply(dy2, x2, out=dx2)
+        dot_total()  # Σ dY·X
+        np.divide(dots, norms, out=dots)
+        np.divide(dots, norms, out=dots)  # Σ dY·Y / ‖X‖
+        np.copyto(dots, 0.0, where=floored)
+        np.multiply(x2, dots, out=dx2)
+        np.subtract(dy2, dx2, out=dx2)
+        np.divide(dx2, norms, out=dx2)
+    return step

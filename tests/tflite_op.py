@@ -1,0 +1,27 @@
+"""Run one operator in the TFLite interpreter (LiteRT), the reference for our
+kernels' forward semantics: the operator is written with our own writer as a
+one-operator .tflite model."""
+import numpy as np
+from ai_edge_litert.interpreter import Interpreter
+
+from microtrain.format.model import model_to_bytes
+from microtrain.graph import Graph, Op, Tensor
+from trainconf.writer import graph_to_model
+
+
+def tflite_run(op_type: str, inputs: list, out_shapes: list, constant=(), **options) -> list:
+    """The outputs of `op_type` on `inputs` (float32 or int32 arrays); the inputs at the
+    positions in `constant` are stored in the model as constant tensors."""
+    tensors = [Tensor(i, f"in{i}", a.shape, a.dtype, a if i in constant else None)
+               for i, a in enumerate(inputs)]
+    outs = [len(tensors) + k for k in range(len(out_shapes))]
+    tensors += [Tensor(t, f"out{t}", tuple(s), np.dtype(np.float32), None)
+                for t, s in zip(outs, out_shapes)]
+    feeds = [i for i in range(len(inputs)) if i not in constant]
+    g = Graph(tensors, [Op(0, op_type, list(range(len(inputs))), outs, options)], feeds, outs)
+    interpreter = Interpreter(model_content=model_to_bytes(graph_to_model(g, "op", {}), b"TFL3"))
+    interpreter.allocate_tensors()
+    for d, i in zip(interpreter.get_input_details(), feeds):
+        interpreter.set_tensor(d["index"], inputs[i])
+    interpreter.invoke()
+    return [interpreter.get_tensor(d["index"]) for d in interpreter.get_output_details()]
