@@ -237,3 +237,12 @@ def test_cli_json_and_text(trained, tmp_path):
     result = CliRunner().invoke(main, ["export", str(frozen), "-o", str(tmp_path / "m.onnx")])
     assert result.exit_code == 1
     assert result.output.strip().endswith("the output must end in .circle or .tflite")
+
+
+def test_tflite_refuses_circle_only_options(trained):
+    model = load_model(trained("mlp")[0])
+    softmax = model.subgraphs[0].operators[-1]
+    softmax.builtinOptionsType = circle.BuiltinOptions.InstanceNormOptions
+    softmax.builtinOptions = circle.InstanceNormOptionsT()
+    with pytest.raises(UserError, match="circle-only options InstanceNormOptions"):
+        check_tflite(model, "m")
