@@ -55,13 +55,14 @@ def read_regular(path, what: str = "file", limit: int = MAX_INPUT_BYTES) -> byte
 # -- kinds of files, by their first bytes -----------------------------------------------------------
 
 def kind_of(path: Path) -> str | None:
-    """"model", "wof", "npy", "npz", "checkpoint", "other", or None for an empty file."""
+    """"circle", "tflite", "wof", "npy", "npz", "checkpoint", "other", or None for an
+    empty file."""
     with open(path, "rb") as f:
         head = f.read(8)
     if not head:
         return None
     if head[4:8] in (b"CIR0", b"TFL3"):
-        return "model"
+        return "circle" if head[4:8] == b"CIR0" else "tflite"
     if head.startswith(b"\x93NUMPY"):
         return "npy"
     if head[:2] == (429).to_bytes(2, "little") and head[2] == 1:
@@ -75,7 +76,7 @@ def kind_of(path: Path) -> str | None:
     return "other"
 
 
-KIND_NAMES = {"model": "a circle/tflite model", "wof": "a .wof weights file",
+KIND_NAMES = {"circle": "a circle model", "tflite": "a tflite model", "wof": "a .wof weights file",
               "npy": "a .npy array", "npz": "a .npz archive",
               "checkpoint": "a microtrain checkpoint", "other": "data of another kind"}
 

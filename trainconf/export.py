@@ -62,7 +62,7 @@ def export(frozen, output, wof=None, weights: str = "fp32", traininfo: bool = Fa
     identifier = IDENTIFIERS.get(output.suffix)
     if identifier is None:
         raise UserError(output, "the output must end in .circle or .tflite")
-    check_output(output, ("model",), force)
+    check_output(output, (output.suffix[1:],), force)
     if weights not in WEIGHT_TYPES:
         raise UserError(None, f"unknown weight type {weights!r} (choose fp32 or fp16)")
     art = load_artifacts(frozen, wof, with_backprop=False)

@@ -167,7 +167,7 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
     (trainconf/budget.py) instead of by `trainable`."""
     model_path = Path(model_path)
     frozen, wof, backprop = output_paths(model_path, out_dir)
-    for path, kind in ((frozen, "model"), (wof, "wof"), (backprop, "model")):
+    for path, kind in ((frozen, "circle"), (wof, "wof"), (backprop, "circle")):
         check_output(path, (kind,), force)
     try:
         types = resolve_precision(precision, weight_dtype, activation_dtype, grad_dtype)
