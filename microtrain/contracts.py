@@ -57,7 +57,7 @@ SignedBytes = Annotated[int, Range(-MAX_BYTES, MAX_BYTES)]
 Sha256 = Annotated[str, Pattern("[0-9a-f]{64}", "a hex SHA-256")]
 Loss = Literal["cce", "sparse_cce", "bce", "mse", "mae"]
 Reduction = Literal["mean", "sum"]
-Dtype = Literal[tuple(TYPES)]
+Dtype = Literal[TYPES]
 Optimizer = Literal[tuple(OPTIMIZERS)]
 JSONValue = Any  # any JSON value, for maps whose keys the reader checks itself
 

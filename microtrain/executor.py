@@ -19,8 +19,8 @@ from .graph import BATCH, Graph, concrete_shape
 from .kernels import KERNELS, ROW_SUMS, ROW_WISE, prepare
 from .kernels.workspace import Workspace, begin_kernel, scratch, sharing
 from .loss_scale import LossScale
-from .precision import (F32, HALF, TYPES, Underflow, narrow, narrow_work, reduced,
-                        round_in_place, storage, widen)
+from .precision import (F32, Underflow, dtype_of, narrow, narrow_work, reduced, round_in_place,
+                        storage, widen)
 
 
 def _check_kernels(g: Graph, path) -> None:
@@ -47,7 +47,8 @@ class Memory:
     kernels' temporaries live in `workspace` (None: each kernel keeps its own)."""
 
     def __init__(self, art: Artifacts, batch: int):
-        self.half_weights = TYPES[precision(art).weights] == HALF
+        self.weight_dtype = dtype_of(precision(art).weights)
+        self.half_weights = reduced(self.weight_dtype)
         working_views = self._lay_out_weights(art)
         plan = art.links.memory if art.backprop is not None else None
         _check_affordable(art, plan, batch)
@@ -84,7 +85,7 @@ class Memory:
         if not self.half_weights:
             self.working = self.params
             return dict(self.param_views)
-        working = backing.astype(HALF)  # frozen rows rounded once
+        working = backing.astype(self.weight_dtype)  # frozen rows rounded once
         self.working = working[lead:lead + ends[-1]]
         self.round_working: list = []  # set by compile_plan, over the workspace
         return {t: working[start:start + art.weights[t].size].reshape(art.weights[t].shape)
@@ -99,9 +100,10 @@ class Memory:
         return self.arena.views(g, graph, storage) if self.arena else {}
 
     @staticmethod
-    def constant(t, half_weights: bool) -> np.ndarray:
-        """A constant tensor as the graphs read it (fp16 weights: rounded)."""
-        data = t.data.astype(HALF) if half_weights and t.data.dtype.kind == "f" else t.data
+    def constant(t, weight_dtype: np.dtype) -> np.ndarray:
+        """A constant tensor as the graphs read it (fp16/bf16 weights: rounded)."""
+        data = t.data.astype(weight_dtype) if reduced(weight_dtype) and t.data.dtype.kind == "f" \
+            else t.data
         return np.ascontiguousarray(data, storage(t.dtype))
 
     def _allocate(self, g: Graph, batch: int, given: dict) -> list:
@@ -110,7 +112,7 @@ class Memory:
             if t.index in given:
                 arrays.append(given[t.index])
             elif t.data is not None:
-                arrays.append(self.constant(t, self.half_weights))
+                arrays.append(self.constant(t, self.weight_dtype))
             else:
                 arrays.append(np.zeros(concrete_shape(t.shape, batch), storage(t.dtype)))
         return arrays
@@ -250,8 +252,8 @@ class Hooks:
             counting = self._counting(backprop, t)
             if w is not a:
                 steps.append(narrow(w, a, *counting))
-            elif g.tensors[t].dtype == HALF:  # fp16 values in a float32 buffer
-                steps.append(round_in_place(a, *counting))
+            elif reduced(g.tensors[t].dtype):  # fp16/bf16 values in a float32 buffer
+                steps.append(round_in_place(a, *_fill(counting), g.tensors[t].dtype))
         if not loads and len(steps) == 1:
             return steps
         return [_in_sequence(loads + steps)]  # one closure: its scratch holds the float32 copies
@@ -338,14 +340,20 @@ def _storer(g: Graph, t: int, src: np.ndarray, dst: np.ndarray, counting: tuple,
     in place (fp16 declared, float32 array) or copied."""
     if reduced(dst.dtype):
         return narrow(src, dst, *counting, work=work)
+    declared = g.tensors[t].dtype
+    rounding = round_in_place(src, *_fill(counting), declared) if reduced(declared) else _nothing
     if src is dst:
-        return round_in_place(dst, *counting) if g.tensors[t].dtype == HALF else _nothing
-    rounding = round_in_place(src, *counting) if g.tensors[t].dtype == HALF else _nothing
+        return rounding
 
     def step():
         rounding()
         np.copyto(dst, src)
     return step
+
+
+def _fill(counting: tuple) -> tuple:
+    """round_in_place()'s underflow and tensor arguments from _counting()'s."""
+    return counting or (None, -1)
 
 
 def _adder(part: np.ndarray, total: np.ndarray, first: bool):

@@ -12,27 +12,50 @@ numpy's own float16 casts take a software path here (~4 ns an element, ~100 ns
 for fp16 subnormals); the conversions below use float32 arithmetic and integer
 bit operations instead, a few passes of ~0.1 ns an element each.
 """
+import functools
+
 import numpy as np
 
+from .errors import UserError
 from .kernels.workspace import scratch
 
 F32 = np.dtype(np.float32)
 HALF = np.dtype(np.float16)
-TYPES = {"fp32": F32, "fp16": HALF}
+TYPES = ("fp32", "fp16", "bf16")  # the names of the types a split may choose
 
 
-def storage(dtype) -> np.dtype:
-    """The dtype the runtime stores a tensor declared `dtype` in: float16 as
-    itself, other floats as float32, anything else as declared."""
-    dtype = np.dtype(dtype)
-    if dtype == HALF:
-        return dtype
-    return F32 if np.issubdtype(dtype, np.floating) else dtype
+@functools.cache
+def bfloat16() -> np.dtype:
+    """ml_dtypes' bfloat16, imported only when bf16 is used (optional extra [bf16])."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise UserError(None, "bf16 needs the ml_dtypes package: pip install "
+                              "'trainconf-microtrain[bf16]'") from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def dtype_of(name: str) -> np.dtype:
+    """The numpy dtype of a type name of TYPES."""
+    return {"fp32": lambda: F32, "fp16": lambda: HALF, "bf16": bfloat16}[name]()
+
+
+def is_bfloat16(dtype) -> bool:
+    return np.dtype(dtype).name == "bfloat16"
 
 
 def reduced(dtype) -> bool:
     """Whether arrays of `dtype` hold a reduced-precision float (kernels read them widened)."""
-    return np.dtype(dtype) == HALF
+    return np.dtype(dtype) == HALF or is_bfloat16(dtype)
+
+
+def storage(dtype) -> np.dtype:
+    """The dtype the runtime stores a tensor declared `dtype` in: float16 and
+    bfloat16 as themselves, other floats as float32, anything else as declared."""
+    dtype = np.dtype(dtype)
+    if reduced(dtype):
+        return dtype
+    return F32 if np.issubdtype(dtype, np.floating) else dtype
 
 
 class Underflow:
@@ -67,18 +90,24 @@ class Underflow:
 
 
 F16_ROUNDS_TO_INF = np.float32(65520.0)  # from here |x| rounds to inf
-SMALL = 4096  # below this many elements numpy's cast beats a dozen fast passes
+# Below these many elements numpy's float16 cast (one call, ~4 ns an element) beats
+# the dozen (narrow) or five (widen) calls of the passes below (~0.7 us a call
+# here), but for fp16 subnormals, ~100 ns an element in the cast.
+SMALL = 4096
+SMALL_WIDEN = 4096
 CHUNK = 1 << 16  # float32 arrays are rounded in place this many elements at a time
 
 
-def round_in_place(a: np.ndarray, underflow: Underflow | None = None, tensor: int = -1):
-    """A closure rounding the float32 array `a` in place to float16 values (a
-    store into float16 scratch and back, a chunk at a time); with `underflow`,
+def round_in_place(a: np.ndarray, underflow: Underflow | None = None, tensor: int = -1,
+                   dtype=HALF):
+    """A closure rounding the float32 array `a` in place to `dtype` values (a
+    store into `dtype` scratch and back, a chunk at a time); with `underflow`,
     it also counts the elements that became zero, under `tensor`.  Its scratch
     joins the layout of the kernel being built."""
     flat = a.reshape(-1)
     size = min(flat.size, CHUNK)
-    half, work = scratch((size,), HALF), narrow_work((size,))
+    half = scratch((size,), dtype)
+    work = narrow_work((size,)) if dtype == HALF else None
     steps = []
     for lo in range(0, flat.size, CHUNK):
         part = flat[lo:lo + CHUNK]
@@ -114,16 +143,16 @@ def narrow_work(shape) -> tuple:
 
 def narrow(src: np.ndarray, dst: np.ndarray, underflow: Underflow | None = None,
            tensor: int = -1, work: tuple | None = None):
-    """A closure storing the float32 array `src` into the float16 array `dst`,
-    rounded to nearest even, counting underflow as `round_in_place` does; it
-    overwrites `src`.  Both contiguous, of one shape; `work`: narrow_work() of
-    that shape or larger (default: scratch of its own)."""
+    """A closure storing the float32 array `src` into the float16 (or bfloat16)
+    array `dst`, rounded to nearest even, counting underflow as `round_in_place`
+    does; it may overwrite `src`.  Both contiguous, of one shape; `work`:
+    narrow_work() of that shape or larger (default: scratch of its own)."""
     def cast_all() -> None:
         before = np.count_nonzero(src) if underflow is not None else 0
         np.copyto(dst, src, casting="unsafe")
         if underflow is not None:
             underflow.add(tensor, before - np.count_nonzero(dst), src.size)
-    if src.size < SMALL:
+    if src.size < SMALL or dst.dtype != HALF:  # ml_dtypes' bfloat16 cast is fast (and RNE)
         return cast_all
     a, out = src.view(np.uint32), dst.view(np.uint16)
     magnitude = src  # src's bits with the sign cleared
@@ -167,7 +196,7 @@ def widen(src: np.ndarray, dst: np.ndarray):
     shifting them left by 13 puts the sign on bit 31 and sets bits 28..30 for
     negative values; clearing those leaves the float32 bits of the value times
     2^-112.  Both contiguous, of one shape."""
-    if src.size < SMALL:
+    if src.size < SMALL_WIDEN or src.dtype != HALF:
         return lambda: np.copyto(dst, src)
     bits, field = src.view(np.int16), dst.view(np.int32)
     unsigned = dst.view(np.uint32)

@@ -1,5 +1,5 @@
 """Mixed-precision results for the README: fp32 against fp16 with each loss-scale
-kind, on the regression fixture whose last layer is shrunk so that its
+kind and bf16 without one, on the regression fixture whose last layer is shrunk so that its
 backpropagated gradients fall below fp16's range (diabetes data, Adam, batch 32).
 
     python scripts/mixed_precision_table.py [--epochs 5]
@@ -54,7 +54,7 @@ def main(epochs: int, optimizer: str):
     with tempfile.TemporaryDirectory() as tmp:
         reference = None
         for precision, scale in [("fp32", "none"), ("fp16", "none"), ("fp16", "1024"),
-                                 ("fp16", "dynamic"), ("fp16", "adaptive")]:
+                                 ("fp16", "dynamic"), ("fp16", "adaptive"), ("bf16", "none")]:
             frozen = small_gradient_model(Path(tmp) / precision, precision)
             lost, underflow = first_step(frozen, scale, x, y)
             trainer = Trainer(frozen, optimizer=optimizer, loss_scale=make_loss_scale(scale))

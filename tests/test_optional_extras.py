@@ -1,4 +1,4 @@
-"""The optional extras (matplotlib, Optuna, threadpoolctl) load only inside the commands
+"""The optional extras (matplotlib, Optuna, threadpoolctl, ml_dtypes) load only inside the commands
 that need them: importing the CLI loads none, and the runtime's run/eval/infer load no
 package beyond numpy, flatbuffers and click."""
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 from trainconf.split import split
 
 FIXTURES = Path(__file__).parent / "fixtures"
-EXTRAS = ["matplotlib", "optuna", "threadpoolctl", "microtrain.sweep", "microtrain.plot"]
+EXTRAS = ["matplotlib", "optuna", "threadpoolctl", "ml_dtypes", "microtrain.sweep", "microtrain.plot"]
 RUNTIME = {"microtrain", "numpy", "flatbuffers", "click"}
 
 

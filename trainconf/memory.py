@@ -24,6 +24,7 @@ from microtrain.arena import START_ALIGN, held_bytes, linear
 from microtrain.artifacts import Artifacts
 from microtrain.contracts import GraphLinks, MemoryPlan
 from microtrain.executor import Hooks, Memory, _trained_spans, compile_plan, precision
+from microtrain.precision import dtype_of, reduced
 from microtrain.precision import storage as runtime_dtype
 from microtrain.graph import BATCH, Graph, concrete_shape
 from microtrain.kernels.workspace import sharing
@@ -244,11 +245,11 @@ def _own_arrays(art: Artifacts, batch: int) -> int:
     return sum(prod(concrete_shape(t.shape, batch)) * runtime_dtype(t.dtype).itemsize for t in own)
 
 
-def _constant_copies(art: Artifacts, half_weights: bool) -> int:
+def _constant_copies(art: Artifacts, weight_dtype) -> int:
     """Bytes of the constants the runtime converts (fp16 weights) instead of
     reading them from the loaded model."""
     constants = [t for g in (art.forward, art.backprop) for t in g.tensors if t.data is not None]
-    copies = (Memory.constant(t, half_weights) for t in constants)
+    copies = (Memory.constant(t, weight_dtype) for t in constants)
     return sum(c.nbytes for t, c in zip(constants, copies) if not np.shares_memory(c, t.data))
 
 
@@ -268,7 +269,8 @@ def peak(art: Artifacts, batch: int, optimizer: str, files: dict[str, int],
     plan = art.links.memory
     stored = sum(w.size for w in art.weights.values())  # with the frozen rows of partial ones
     trained = sum(hi - lo for lo, hi in _trained_spans(art).values())
-    half = precision(art).weights == "fp16"
+    weight_dtype = dtype_of(precision(art).weights)
+    half = reduced(weight_dtype)
     parts = {
         "arena": linear(plan.arena, batch) + START_ALIGN,
         "kernel_scratch": linear(plan.kernel_scratch, batch),
@@ -279,7 +281,7 @@ def peak(art: Artifacts, batch: int, optimizer: str, files: dict[str, int],
         # the step's gradients, and their running sum when accumulating
         "gradients": 4 * trained * (2 if accum_steps > 1 else 1),
         "optimizer_state": optimizer_bytes(optimizer, trained),
-        "constants": _constant_copies(art, half),
+        "constants": _constant_copies(art, weight_dtype),
         "files": _loaded_files(art, files),
     }
     return {"batch_size": batch, "optimizer": optimizer, "accum_steps": accum_steps, **parts,

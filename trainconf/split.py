@@ -16,6 +16,7 @@ from microtrain.format.wof import wof_to_bytes
 from microtrain.graph import BATCH, Graph, check_dataflow, graph_of
 from microtrain.optimizers import make_optimizer
 from microtrain.parameters import Resolved, resolve
+from microtrain.precision import TYPES, dtype_of
 
 from .backprop import LOGITS_OF, LOSSES, REDUCTIONS, Backprop, Builder, build_backprop
 from .budget import fit_budget, parse_size
@@ -25,7 +26,7 @@ from .fold import fold_shape_chains
 from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .operators import FOLDS, ROW_GRADS
 from .select import select_trainable
-from .writer import TENSOR_TYPES, graph_to_model, set_constant
+from .writer import graph_to_model, set_constant, tensor_type
 
 
 @dataclass
@@ -94,7 +95,7 @@ def fold(model, g: Graph) -> Graph:
     return folded_graph
 
 
-PRECISIONS = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16)}
+PRECISIONS = TYPES  # fp32, fp16, bf16 (ml_dtypes' bfloat16, imported when used)
 
 
 def resolve_precision(precision: str = "fp32", weight_dtype: str | None = None,
@@ -104,7 +105,7 @@ def resolve_precision(precision: str = "fp32", weight_dtype: str | None = None,
     for key, value in chosen.items():
         value = value or precision
         if value not in PRECISIONS:
-            raise UserError(None, f"unknown {key} type {value!r} (choose fp32 or fp16)")
+            raise UserError(None, f"unknown {key} type {value!r} (choose {', '.join(TYPES)})")
         chosen[key] = value
     return Precision(**chosen)
 
@@ -112,7 +113,7 @@ def resolve_precision(precision: str = "fp32", weight_dtype: str | None = None,
 def set_activation_dtype(model, g: Graph, dtype: np.dtype) -> None:
     for t in activations(g):
         g.tensors[t].dtype = dtype
-        model.subgraphs[0].tensors[t].type = TENSOR_TYPES[dtype]
+        model.subgraphs[0].tensors[t].type = tensor_type(dtype)
 
 
 def default_loss(g: Graph) -> str:
@@ -253,7 +254,7 @@ def load_prepared(model_path: Path, types: dict):
     check_dataflow(g, model_path, set())
     batch = make_batch_symbolic(model, g)
     g = fold(model, g)
-    set_activation_dtype(model, g, PRECISIONS[types.activations])
+    set_activation_dtype(model, g, dtype_of(types.activations))
     return model, g, batch
 
 
@@ -269,7 +270,7 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
     loss = loss or default_loss(g)
     if loss not in LOSSES or reduction not in REDUCTIONS:
         raise UserError(None, f"unknown loss {loss!r} or reduction {reduction!r}")
-    grad_dtype = PRECISIONS[types.gradients]
+    grad_dtype = dtype_of(types.gradients)
     bp = build_backprop(g, weights, loss, reduction, grad_dtype)
     slice_rows(bp, g, rows, grad_dtype)
     arrays = cut_weights(model, weights)

@@ -34,6 +34,14 @@ TENSOR_TYPES = {np.dtype(np.float32): circle.TensorType.FLOAT32,
                 np.dtype(np.int64): circle.TensorType.INT64}
 
 
+def tensor_type(dtype: np.dtype) -> int:
+    """The circle TensorType of a numpy dtype (ml_dtypes' bfloat16 by name: it is
+    imported only when used)."""
+    if np.dtype(dtype).name == "bfloat16":
+        return circle.TensorType.BFLOAT16
+    return TENSOR_TYPES[np.dtype(dtype)]
+
+
 def _camel(snake: str) -> str:
     head, *rest = snake.split("_")
     return head + "".join(w.capitalize() for w in rest)
@@ -64,7 +72,7 @@ def set_constant(model, t: int, value: np.ndarray) -> None:
 def _tensor(model, t) -> "circle.TensorT":
     out = circle.TensorT()
     out.name = t.name
-    out.type = TENSOR_TYPES[t.dtype]
+    out.type = tensor_type(t.dtype)
     out.shape = [1 if d == BATCH else d for d in t.shape]
     out.shapeSignature = list(t.shape) if BATCH in t.shape else None
     out.buffer = 0 if t.data is None else _buffer(model, t.data)

@@ -263,6 +263,9 @@ def set_custom_options(op: circle.OperatorT, options: dict) -> None:
 
 def tensor_dtype(tensor: circle.TensorT) -> np.dtype:
     """The numpy dtype (little-endian) of the tensor's elements."""
+    if tensor.type == _T.BFLOAT16:
+        from ..precision import bfloat16  # ml_dtypes, only for bf16 models
+        return bfloat16()
     if tensor.type not in DTYPES:
         raise UserError(None, f"tensor '{tensor.name}' has type "
                               f"{TYPE_NAMES.get(tensor.type, tensor.type)}, which numpy cannot hold")
