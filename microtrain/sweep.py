@@ -502,7 +502,9 @@ class Sweep:
         final = {}
         for r in self.log.trials:  # with halving, a trial's last rung stands for it
             final[r["trial"]] = r
-        return sorted(final.values(), key=lambda r: (not self._eligible(r),) + self._key(r))
+        # trials that trained to the end first, then (halving) those that got further
+        return sorted(final.values(), key=lambda r: (not self._eligible(r), -r.get("rung", 0))
+                      + self._key(r))
 
     def _summary(self) -> dict:
         ranked = self.ranking()
@@ -520,7 +522,8 @@ class Sweep:
                 "wof_sha256": best["weights_sha256"] if saved else None,
                 "best_wof": str(self.best_path) if best else None,
                 "ranking": [{k: r.get(k) for k in ("trial", "params", "status", "value", "loss",
-                                                   "epochs", "error")} for r in ranked]}
+                                                   "epochs", "epochs_total", "error")}
+                            for r in ranked]}
 
 
 def sweep(grid_texts: Sequence[str], settings: Settings | None = None,
@@ -548,12 +551,15 @@ def _curve(history: list[dict], metric: str) -> list[float]:
 def table(summary: dict, keys: Sequence[str]) -> str:
     """The ranked trials as a text table."""
     metric = summary["metric"]
-    head = ["rank", "trial", *keys, metric, "loss", "status"]
+    halving = any(r.get("epochs_total") for r in summary["ranking"])
+    head = ["rank", "trial", *keys, *(["epochs trained"] if halving else []), metric, "loss",
+            "status"]
     rows = [head]
     for rank, r in enumerate(summary["ranking"], 1):
         ok = r["status"] == "ok"
         rows.append([str(rank), str(r["trial"]), *(f"{r['params'][k]:.4g}" if isinstance(
                      r["params"][k], float) else str(r["params"][k]) for k in keys),
+                     *([str(r["epochs_total"])] if halving else []),
                      f"{r['value']:.4f}" if ok else "-", f"{r['loss']:.4f}" if ok else "-",
                      r["status"] if ok or not r["error"] else f"{r['status']}: {r['error']}"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]

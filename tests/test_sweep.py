@@ -226,6 +226,7 @@ def test_halving_trains_the_better_half_on_and_reproduces(frozen, tmp_path):
     assert sorted(t["trial"] for t in trials[4:6]) == sorted(t["trial"] for t in rung0[:2])
     assert summary["best"]["trial"] == trials[-1]["trial"]
     assert "--epochs 4" in summary["command"]
+    assert [r["epochs_total"] for r in summary["ranking"]] == [4, 2, 1, 1]
     assert reproduce(summary["command"], start, tmp_path / "again.wof") == \
         wof_of(frozen).read_bytes()
 
