@@ -285,7 +285,7 @@ def _a_value(param) -> str:
     if isinstance(param.type, click.Choice):
         return [c for c in param.type.choices if c != param.default][0]
     if isinstance(param.type, click.types.BoolParamType):
-        return "false"
+        return str(not param.default).lower()
     if isinstance(param.type, click.types.IntParamType):
         return "3"
     if isinstance(param.type, click.types.FloatParamType):
