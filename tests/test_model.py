@@ -274,7 +274,7 @@ def test_dangling_tensor_index_is_rejected(cnn_bytes):
         model_from_bytes(data, "x.tflite")
 
 
-def test_custom_options_that_are_not_a_flexbuffer_map():
+def test_custom_options_that_are_not_a_flexbuffer_map_are_kept_raw():
+    """e.g. MediaPipe's Convolution2DTransposeBias keeps a C struct there."""
     op = circle.OperatorT(customOptions=np.frombuffer(b"\x01\x02\x03", np.uint8))
-    with pytest.raises(UserError, match=r"custom options \(3 bytes\) of an operator are not"):
-        options_dict(op)
+    assert options_dict(op) == {"custom_options": [1, 2, 3]}

@@ -26,6 +26,7 @@ from .fold import fold_shape_chains
 from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .operators import FOLDS, ROW_GRADS
 from .select import select_trainable
+from .support import check_forward
 from .writer import graph_to_model, set_constant, tensor_type
 
 
@@ -265,6 +266,7 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
     train only some of their rows.  The kernel scratch is measured at batch 1
     and `batch_size`.  `parameters` are recorded for microtrain run."""
     model, g, model_batch = load_prepared(model_path, types)
+    check_forward(g)
     remove_metadata(model, CIRCLE_PLUS)  # its operator indices predate the folding
     weights, rows = choose(g)
     loss = loss or default_loss(g)

@@ -228,7 +228,8 @@ def _plain(value):
 
 def options_dict(op: circle.OperatorT) -> dict:
     """The op's options with the schema's field names: builtin options, or a
-    custom op's flexbuffer map; {} when it has none."""
+    custom op's flexbuffer map ({"custom_options": [bytes]} when they are some
+    other layout, e.g. a C struct, for a kernel that knows it); {} when it has none."""
     table = op.builtinOptions or op.builtinOptions2
     if table is not None:
         return {_snake(k): _plain(v) for k, v in vars(table).items()}
@@ -239,8 +240,7 @@ def options_dict(op: circle.OperatorT) -> dict:
     except (*DECODE_ERRORS, KeyError, AssertionError, RecursionError):
         options = None
     if not isinstance(options, dict):
-        raise UserError(None, f"custom options ({len(op.customOptions)} bytes) of an operator "
-                              "are not a flexbuffer map")
+        return {"custom_options": [int(b) for b in op.customOptions]}
     return options
 
 
