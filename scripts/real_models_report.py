@@ -12,7 +12,7 @@ which a small enough rate guarantees when the gradients are right). Each command
 interpreter (ai-edge-litert) runs the original model on the same inputs: the table gives the
 largest difference of `microtrain infer` from it and the loss of its outputs against the
 starting loss microtrain reports, and whether training kept the loss finite and lowered it.
-Writes DIR/REPORT.md and DIR/report.json. --code runs another checkout's trainconf/microtrain.
+Writes REPORT.md and report.json into DIR (or --output). --code runs another checkout's trainconf/microtrain.
 """
 
 import argparse
@@ -215,9 +215,10 @@ def spec_cell(r: SpecResult | None) -> str:
             f"(evaluated {fmt(r.initial_loss)} before, {fmt(r.final_loss)} after)")
 
 
-def write_report(results: list[ModelResult], cache: Path, argv: str, code: Path,
+def write_report(results: list[ModelResult], out: Path, argv: str, code: Path,
                  learning_rate: float) -> None:
-    (cache / "report.json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
     trained = [r.name for r in results
                if all(r.specs.get(s) and r.specs[s].trains for s in ("all", "last:2"))]
     lines = [
@@ -242,7 +243,7 @@ def write_report(results: list[ModelResult], cache: Path, argv: str, code: Path,
                if first and first.initial_loss is not None else r.reference or "–")
         lines.append(f"| {r.name} | {r.bytes:,} | {r.import_.cell} | {r.inspect.cell} | {diff} | "
                      f"{ref} | " + " | ".join(spec_cell(r.specs.get(s)) for s in SPECS) + " |")
-    (cache / "REPORT.md").write_text("\n".join(lines) + "\n")
+    (out / "REPORT.md").write_text("\n".join(lines) + "\n")
 
 
 def git_head(code: Path) -> str:
@@ -257,6 +258,8 @@ def main() -> None:
                         help="the directory scripts/fetch_real_models.py filled")
     parser.add_argument("--models", default="*/*.tflite",
                         help="glob of models under the cache (default: %(default)s)")
+    parser.add_argument("--output", type=Path,
+                        help="directory for REPORT.md and report.json (default: the cache)")
     parser.add_argument("--learning-rate", type=float, default=1e-4,
                         help="Adam's learning rate for the 2 training steps (default: %(default)s)")
     parser.add_argument("--code", type=Path, default=REPO,
@@ -271,7 +274,7 @@ def main() -> None:
         results.append(r)
         print(name, r.import_.status, r.inspect.status,
               *(f"{s}:{spec_cell(r.specs.get(s))}" for s in SPECS), flush=True)
-        write_report(results, args.cache, " ".join(["python", *sys.argv]), args.code,
+        write_report(results, args.output or args.cache, " ".join(["python", *sys.argv]), args.code,
                      args.learning_rate)
 
 
