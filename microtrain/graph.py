@@ -54,9 +54,9 @@ def graph_of(model, subgraph: int = 0) -> Graph:
     tensors = [Tensor(i, (t.name or b"").decode() if isinstance(t.name, bytes) else (t.name or ""),
                       symbolic_shape(t), tensor_dtype(t), buffer_array(model, t))
                for i, t in enumerate(sg.tensors or [])]
-    ops = [Op(i, op_name(model, op), list(_ints(op.inputs)), list(_ints(op.outputs)),
-              options_dict(op))
-           for i, op in enumerate(sg.operators or [])]
+    names = [op_name(model, op) for op in sg.operators or []]
+    ops = [Op(i, name, list(_ints(op.inputs)), list(_ints(op.outputs)), options_dict(op, name))
+           for i, (name, op) in enumerate(zip(names, sg.operators or []))]
     return Graph(tensors, ops, list(_ints(sg.inputs)), list(_ints(sg.outputs)))
 
 

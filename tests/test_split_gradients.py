@@ -196,6 +196,24 @@ def layout_ops(m: GraphMaker):
     return [x], [m.op("SOFTMAX", [out], (-1, 3))], (4, 4, 2), "cce"
 
 
+def upsampling(m: GraphMaker):
+    """MediaPipe's Convolution2DTransposeBias (SAME), RESIZE_BILINEAR (half-pixel centers),
+    TRANSPOSE_CONV (VALID, fused RELU), RESIZE_NEAREST_NEIGHBOR; every weight trains."""
+    x = m.tensor((-1, 3, 3, 2))
+    strides = dict(stride_w=2, stride_h=2)
+    a = m.op("Convolution2DTransposeBias", [x, m.weight(4, 3, 3, 2), m.weight(4)], (-1, 6, 6, 4),
+             padding=0, **strides)
+    b = m.op("RESIZE_BILINEAR", [a, m.tensor((2,), [9, 9], np.int32)], (-1, 9, 9, 4),
+             half_pixel_centers=True)
+    c = m.op("TRANSPOSE_CONV", [m.tensor((4,), [1, 18, 18, 3], np.int32), m.weight(3, 2, 2, 4), b,
+                                m.weight(3)], (-1, 18, 18, 3), padding=1,
+             fused_activation_function=1, **strides)
+    d = m.op("RESIZE_NEAREST_NEIGHBOR", [c, m.tensor((2,), [6, 6], np.int32)], (-1, 6, 6, 3))
+    e = m.op("MEAN", [d, m.tensor((2,), [1, 2], np.int32)], (-1, 3))
+    out = m.op("FULLY_CONNECTED", [e, m.weight(4, 3), m.weight(4)], (-1, 4))
+    return [x], [m.op("SOFTMAX", [out], (-1, 4))], (3, 3, 2), "cce"
+
+
 def _targets(loss: str, out_shape, n: int) -> np.ndarray:
     if loss == "cce":
         return np.eye(out_shape[-1], dtype=np.float32)[RNG.integers(0, out_shape[-1], n)]
@@ -205,7 +223,7 @@ def _targets(loss: str, out_shape, n: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("build", [conv_block, elementwise, shape_ops, logistic_head,
-                                   mobile_activations, layout_ops])
+                                   mobile_activations, layout_ops, upsampling])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_rule_gradients_match_torch(build, reduction, tmp_path):
     m = GraphMaker()

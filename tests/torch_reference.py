@@ -86,6 +86,38 @@ def _slices(op, g):
     return tuple(index)
 
 
+def _resize(x, size, kind, o):
+    """TFLite's resizes in the forms PyTorch has: bilinear with align_corners or
+    half_pixel_centers; nearest floor(i·scale) or (half_pixel_centers) floor((i+½)·scale)."""
+    nchw = x.permute(0, 3, 1, 2)
+    if kind == "RESIZE_BILINEAR":
+        if not (o.get("align_corners") or o.get("half_pixel_centers")):
+            raise NotImplementedError("TFLite's legacy bilinear sampling")
+        y = F.interpolate(nchw, size=tuple(size), mode="bilinear",
+                          align_corners=bool(o.get("align_corners")))
+    else:
+        if o.get("align_corners"):
+            raise NotImplementedError("nearest neighbour with align_corners")
+        mode = "nearest-exact" if o.get("half_pixel_centers") else "nearest"
+        y = F.interpolate(nchw, size=tuple(size), mode=mode)
+    return y.permute(0, 2, 3, 1)
+
+
+def transpose_conv(x, w, b, size, o):
+    """TFLite's transposed convolution: torch's full output (W [O, KH, KW, I] as
+    [I, O, KH, KW]) cropped to `size` from the top-left padding of the
+    convolution y -> x with TFLite's SAME/VALID rule."""
+    stride = (o["stride_h"], o["stride_w"])
+    full = F.conv_transpose2d(x.permute(0, 3, 1, 2), w.permute(3, 0, 1, 2), stride=stride)
+    tops = []
+    for n, k, s in zip(size, w.shape[1:3], stride):
+        out = -(-n // s) if o.get("padding", 0) == 0 else -(-(n - k + 1) // s)
+        tops.append(max((out - 1) * s + k - n, 0) // 2)
+    y = full[:, :, tops[0]:tops[0] + size[0], tops[1]:tops[1] + size[1]]
+    y = F.pad(y, (0, size[1] - y.shape[3], 0, size[0] - y.shape[2]))  # rows no tap reaches
+    return y.permute(0, 2, 3, 1) + (0 if b is None else b)
+
+
 def run_op(op, v, g: Graph):
     x = [v.get(i) for i in op.inputs]  # integer constants are read from the graph
     o = op.options
@@ -150,6 +182,11 @@ def run_op(op, v, g: Graph):
         return reduce(x[0], dim=axes, keepdim=bool(o.get("keep_dims")))
     if t == "L2_NORMALIZATION":
         return act(x[0] / x[0].norm(dim=-1, keepdim=True).clamp_min(1e-6))
+    if t in ("RESIZE_BILINEAR", "RESIZE_NEAREST_NEIGHBOR"):
+        return _resize(x[0], g.tensors[op.outputs[0]].shape[1:3], t, o)
+    if t in ("TRANSPOSE_CONV", "Convolution2DTransposeBias"):
+        data, bias = (x[2], x[3] if len(x) > 3 else None) if t == "TRANSPOSE_CONV" else (x[0], x[2])
+        return act(transpose_conv(data, x[1], bias, g.tensors[op.outputs[0]].shape[1:3], o))
     if t == "TRANSPOSE":
         return x[0].permute(*[int(p) for p in g.tensors[op.inputs[1]].data])
     if t == "BATCH_MATMUL":

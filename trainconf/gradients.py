@@ -286,3 +286,31 @@ def pick(b, op, dy, needs):
 def log_softmax(b, op, dy, needs):
     y = b.forward(op.outputs[0])
     return [b.emit("LogSoftmaxGrad", [dy, y], like=op.inputs[0])]
+
+
+def _resize(grad_op):
+    def grad(b, op, dy, needs):
+        options = {k: bool(op.options.get(k)) for k in ("align_corners", "half_pixel_centers")}
+        return [b.emit(grad_op, [dy], like=op.inputs[0], **options), None]
+    return grad
+
+
+resize_bilinear = _resize("ResizeBilinearGrad")
+resize_nearest_neighbor = _resize("ResizeNearestNeighborGrad")
+
+
+def transpose_conv(b, op, dy, needs):
+    """TRANSPOSE_CONV (output shape, W, x[, bias]) and MediaPipe's
+    Convolution2DTransposeBias (x, W, bias)."""
+    x_at, bias_at = (2, 3) if op.type == "TRANSPOSE_CONV" else (0, 2)
+    x, w = op.inputs[x_at], op.inputs[1]
+    opts = _pick(op.options, ("padding", "stride_w", "stride_h"))
+    dz = through_fused(b, op, dy)
+    grads = [None] * len(op.inputs)
+    if needs[x_at]:
+        grads[x_at] = b.emit("TransposeConvInputGrad", [dz, b.forward(w)], like=x, **opts)
+    if needs[1]:
+        grads[1] = b.emit("TransposeConvWeightGrad", [dz, b.forward(x)], like=w, **opts)
+    if len(op.inputs) > bias_at and op.inputs[bias_at] >= 0 and needs[bias_at]:
+        grads[bias_at] = b.emit("BiasGrad", [dz], like=op.inputs[bias_at])
+    return grads

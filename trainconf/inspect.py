@@ -116,11 +116,12 @@ def _training(model, op, tensors) -> str:
 
 
 def _operator(model, k: int, op, tensors) -> dict:
-    options = options_dict(op)
+    name = op_name(model, op)
+    options = options_dict(op, name)
     activation = options.get("fused_activation_function")
     return {
         "index": k,
-        "type": op_name(model, op),
+        "type": name,
         "fused_activation": None if activation is None else ACTIVATIONS.get(activation, activation),
         "inputs": [_ref(t, tensors) for t in int_list(op.inputs)],
         "outputs": [_ref(t, tensors) for t in int_list(op.outputs)],

@@ -65,6 +65,8 @@ _ENTRIES = [
     _weighted("FULLY_CONNECTED", gradients.fully_connected, row_grad="FullyConnectedWeightGrad"),
     _weighted("CONV_2D", gradients.conv_2d, row_grad="Conv2DWeightGrad"),
     _weighted("DEPTHWISE_CONV_2D", gradients.depthwise_conv_2d),
+    Operator("TRANSPOSE_CONV", gradients.transpose_conv, weight=1, bias=3, layer=True),
+    Operator("Convolution2DTransposeBias", gradients.transpose_conv, weight=1, bias=2, layer=True),
     Operator("MAX_POOL_2D", gradients.max_pool),
     Operator("AVERAGE_POOL_2D", gradients.average_pool),
     Operator("MEAN", gradients.mean_sum),
@@ -97,6 +99,8 @@ _ENTRIES = [
     Operator("SPLIT", gradients.split),
     Operator("SPLIT_V", gradients.split),
     Operator("GATHER", gradients.gather),
+    Operator("RESIZE_BILINEAR", gradients.resize_bilinear),
+    Operator("RESIZE_NEAREST_NEIGHBOR", gradients.resize_nearest_neighbor),
     Operator("TRANSPOSE", gradients.transpose),
     Operator("BATCH_MATMUL", gradients.batch_matmul),
     # forward only (the backprop graphs use them too)

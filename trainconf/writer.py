@@ -86,7 +86,7 @@ def _operator(model, op) -> "circle.OperatorT":
     if op.type in BUILTIN_OPTIONS:
         set_builtin_options(out, _builtin_options(op.type, op.options))
     elif op.options:
-        set_custom_options(out, op.options)
+        set_custom_options(out, op.options, op.type)
     return out
 
 

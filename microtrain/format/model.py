@@ -226,17 +226,48 @@ def _plain(value):
     return value.tolist() if isinstance(value, np.ndarray) else value
 
 
-def options_dict(op: circle.OperatorT) -> dict:
-    """The op's options with the schema's field names: builtin options, or a
-    custom op's flexbuffer map ({"custom_options": [bytes]} when they are some
-    other layout, e.g. a C struct, for a kernel that knows it); {} when it has none."""
+# Custom operators whose custom_options are a C struct, not a flexbuffer map.
+# MediaPipe's Convolution2DTransposeBias reads TfLiteTransposeConvParams:
+# int32 padding (TfLitePadding: 1 SAME, 2 VALID), int32 stride_width, int32 stride_height.
+_TFLITE_PADDING = {1: circle.Padding.SAME, 2: circle.Padding.VALID}
+
+
+def _read_transpose_conv_params(data: bytes) -> dict:
+    if len(data) < 12:
+        raise ValueError(f"{len(data)} bytes, expected 12")
+    padding, stride_w, stride_h = struct.unpack_from("<3i", data)
+    if padding not in _TFLITE_PADDING or stride_w < 1 or stride_h < 1:
+        raise ValueError(f"padding {padding}, strides {stride_w}x{stride_h}")
+    return {"padding": _TFLITE_PADDING[padding], "stride_w": stride_w, "stride_h": stride_h}
+
+
+def _write_transpose_conv_params(options: dict) -> bytes:
+    padding = {v: k for k, v in _TFLITE_PADDING.items()}[options["padding"]]
+    return struct.pack("<3i", padding, options["stride_w"], options["stride_h"])
+
+
+STRUCT_OPTIONS = {"Convolution2DTransposeBias": (_read_transpose_conv_params,
+                                                 _write_transpose_conv_params)}
+
+
+def options_dict(op: circle.OperatorT, name: str | None = None) -> dict:
+    """The op's options with the schema's field names: builtin options, a
+    custom op's flexbuffer map, or the struct of a custom op named `name` in
+    STRUCT_OPTIONS ({"custom_options": [bytes]} when they are some other
+    layout, for a kernel that knows it); {} when it has none."""
     table = op.builtinOptions or op.builtinOptions2
     if table is not None:
         return {_snake(k): _plain(v) for k, v in vars(table).items()}
     if op.customOptions is None or len(op.customOptions) == 0:
         return {}
+    data = bytes(op.customOptions)
+    if name in STRUCT_OPTIONS:
+        try:
+            return STRUCT_OPTIONS[name][0](data)
+        except ValueError as e:
+            raise UserError(None, f"custom options of {name} are not its parameters: {e}") from None
     try:
-        options = flexbuffers.Loads(bytes(op.customOptions))
+        options = flexbuffers.Loads(data)
     except (*DECODE_ERRORS, KeyError, AssertionError, RecursionError):
         options = None
     if not isinstance(options, dict):
@@ -253,9 +284,11 @@ def set_builtin_options(op: circle.OperatorT, table) -> None:
         op.builtinOptions2Type, op.builtinOptions2 = getattr(circle.BuiltinOptions2, name), table
 
 
-def set_custom_options(op: circle.OperatorT, options: dict) -> None:
-    """Store a custom op's options as a flexbuffer map."""
-    op.customOptions = np.frombuffer(flexbuffers.Dumps(options), np.uint8)
+def set_custom_options(op: circle.OperatorT, options: dict, name: str | None = None) -> None:
+    """Store a custom op's options as a flexbuffer map (or the struct of a
+    custom op named `name` in STRUCT_OPTIONS)."""
+    data = STRUCT_OPTIONS[name][1](options) if name in STRUCT_OPTIONS else flexbuffers.Dumps(options)
+    op.customOptions = np.frombuffer(data, np.uint8)
     op.customOptionsFormat = circle.CustomOptionsFormat.FLEXBUFFERS
 
 

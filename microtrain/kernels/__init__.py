@@ -62,7 +62,8 @@ def prepare(name: str, inputs: list[np.ndarray | None], outputs: list[np.ndarray
 
 def _load_all() -> None:
     # Importing the modules registers their kernels.
-    from . import activations, conv, dense, elementwise, losses, reduce, shape  # noqa: F401
+    from . import (activations, conv, dense, elementwise, losses, reduce, resize,  # noqa: F401
+                   shape)
 
 
 _load_all()

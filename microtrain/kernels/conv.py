@@ -75,11 +75,11 @@ class _Windows:
     """
 
     def __init__(self, image, out_hw, k_hw, padding=SAME, stride_h=1, stride_w=1,
-                 dilation_h_factor=1, dilation_w_factor=1, fill=0.0, **_):
+                 dilation_h_factor=1, dilation_w_factor=1, fill=0.0, pads=None, **_):
         n, h, w, c = image.shape
         (oh, ow), (kh, kw) = out_hw, k_hw
-        pads = (*_pads(h, oh, kh, stride_h, dilation_h_factor, padding),
-                *_pads(w, ow, kw, stride_w, dilation_w_factor, padding))
+        pads = pads or (*_pads(h, oh, kh, stride_h, dilation_h_factor, padding),
+                        *_pads(w, ow, kw, stride_w, dilation_w_factor, padding))
         self.image = image
         if any(pads):
             self.buffer, self.inner, self.fill_border = _padded(image, pads, fill)
@@ -201,12 +201,18 @@ def conv_2d_input_grad(inputs, outputs, **opts):
         return lambda: np.matmul(dy2, w2, out=dx2)
     # Per-tap products land in one contiguous buffer, so the scatter's adds
     # run over whole rows when the stride is 1.
-    w_taps = _per_tap(w, axis=1)
-    grad = scratch((dy2.shape[0], dx.shape[3]), dx.dtype)
-    grad4 = grad.reshape(*dy.shape[:3], dx.shape[3])
+    return _col2im(win, dy2, dy.shape[:3], _per_tap(w, axis=1))
+
+
+def _col2im(win, rows, pixels, w_taps):
+    """A step scattering rows @ w_taps[k] (one product per tap, [N*OH*OW, C])
+    onto the pixels tap k covers; `pixels` is (N, OH, OW)."""
+    channels = win.image.shape[3]
+    grad = scratch((rows.shape[0], channels), win.image.dtype)
+    grad4 = grad.reshape(*pixels, channels)
 
     def tap_grad(k):
-        np.matmul(dy2, w_taps[k], out=grad)
+        np.matmul(rows, w_taps[k], out=grad)
         return grad4
     return win.scatter(tap_grad)
 
@@ -394,4 +400,85 @@ def average_pool_2d_grad(inputs, outputs, **opts):
     def step():
         np.multiply(dy, inverse, out=share)
         scatter()
+    return step
+
+
+# -- transposed convolution ---------------------------------------------------------------------
+# TRANSPOSE_CONV (inputs: output shape, W [O, KH, KW, I], x, bias) and MediaPipe's
+# Convolution2DTransposeBias (x, W, bias) compute the input gradient of a convolution
+# from the output image y to x whose filter is W's transpose: each
+# x[n,i,j,:] @ W[:, p, q, :].T is added at y[n, i*sh + p - pad_top, j*sw + q - pad_left].
+# TFLite takes the padding of that convolution (SAME or VALID on y's size).
+
+
+def _transposed_windows(image, small, w, padding=SAME, stride_h=1, stride_w=1, **_):
+    """Windows of the large image (y, or its gradient) seen from `small` (x)."""
+    (_, h, wd, _), (_, sh, sw, _), (kh, kw) = image.shape, small.shape, w.shape[1:3]
+    tops = [_pads(n, -(-n // s) if padding == SAME else -(-(n - k + 1) // s), k, s, 1, padding)[0]
+            for n, k, s in ((h, kh, stride_h), (wd, kw, stride_w))]
+    bottom, right = ((m - 1) * s + k - n - top for m, k, s, n, top in
+                     ((sh, kh, stride_h, h, tops[0]), (sw, kw, stride_w, wd, tops[1])))
+    return _Windows(image, (sh, sw), (kh, kw), stride_h=stride_h, stride_w=stride_w,
+                    pads=(tops[0], max(bottom, 0), tops[1], max(right, 0)))
+
+
+def _transpose_conv(x, w, b, y, fused_activation_function=0, **opts):
+    win = _transposed_windows(y, x, w, **opts)
+    scatter = _col2im(win, x.reshape(-1, x.shape[3]), x.shape[:3],
+                      [tap.T for tap in _per_tap(w, axis=1)])
+    add_bias = _bias_adder(y, b)
+
+    def step():
+        scatter()
+        add_bias()
+    return then_activate(step, fused_activation_function, y)
+
+
+@kernel("TRANSPOSE_CONV")
+def transpose_conv(inputs, outputs, **opts):
+    """y = act(transposed convolution of x (input 2) by W (input 1) + bias (input 3))."""
+    _, w, x, b = (*inputs, None)[:4]
+    return _transpose_conv(x, w, b, outputs[0], **opts)
+
+
+@kernel("Convolution2DTransposeBias")
+def convolution_2d_transpose_bias(inputs, outputs, **opts):
+    """MediaPipe's TRANSPOSE_CONV with a bias: inputs x, W, bias."""
+    x, w, b = inputs
+    return _transpose_conv(x, w, b, outputs[0], **opts)
+
+
+@kernel("TransposeConvInputGrad")
+def transpose_conv_input_grad(inputs, outputs, **opts):
+    """dX = the convolution of dY with W's transpose: dX2 = cols(dY) @ Wt,
+    Wt[(p, q, o), i] = W[o, p, q, i] (copied from W on each call)."""
+    dy, w = inputs
+    (dx,) = outputs
+    cols, gather = _transposed_windows(dy, dx, w, **opts).columns()
+    wt = scratch((w.shape[1] * w.shape[2] * w.shape[0], w.shape[3]), w.dtype)
+    wt4 = wt.reshape(w.shape[1], w.shape[2], w.shape[0], w.shape[3])
+    dx2 = dx.reshape(-1, dx.shape[3])
+
+    def step():
+        np.copyto(wt4, w.transpose(1, 2, 0, 3))
+        gather()
+        np.matmul(cols, wt, out=dx2)
+    return step
+
+
+@kernel("TransposeConvWeightGrad")
+def transpose_conv_weight_grad(inputs, outputs, **opts):
+    """dW[o, p, q, i] = Σ_{n,i',j'} x[n,i',j',i] · dY at the pixel tap (p, q) of
+    x[n,i',j'] reached: cols(dY).T @ X2, reordered from (p, q, o) to (o, p, q)."""
+    dy, x = inputs
+    (dw,) = outputs
+    cols, gather = _transposed_windows(dy, x, dw, **opts).columns()
+    x2 = x.reshape(-1, x.shape[3])
+    taps = scratch((cols.shape[1], dw.shape[3]), dw.dtype)
+    taps4 = taps.reshape(dw.shape[1], dw.shape[2], dw.shape[0], dw.shape[3])
+
+    def step():
+        gather()
+        np.matmul(cols.T, x2, out=taps)
+        np.copyto(dw, taps4.transpose(2, 0, 1, 3))
     return step
