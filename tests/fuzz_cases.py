@@ -238,6 +238,7 @@ class Case:
     args: list[str]
     edited_backprop: bool = False  # the backprop graph differs from the one split wrote
     grown_wof: bool = False        # bytes were added to the .wof
+    why: str = ""                  # a backprop case that may be accepted: unchanged, forged, infer
 
 
 def _place(path: Path, content, draw) -> None:
@@ -322,8 +323,9 @@ def draw_case(draw, corpus: dict, folder: Path) -> Case:
             except Exception:
                 pass
     _place(path, content, draw)
-    case.edited_backprop = kind == "backprop" and content != original and not (
-        isinstance(content, bytes) and _sealed_by_us(content))  # infer does not read it
+    forged = isinstance(content, bytes) and content != original and _sealed_by_us(content)
+    case.edited_backprop = kind == "backprop" and content != original and not forged
+    case.why = "unchanged" if content == original else "forged" if forged else ""
     case.grown_wof = kind == "wof" and isinstance(content, bytes) and len(content) > len(original)
     if kind == "tflite":
         command = draw(st.sampled_from(["import", "inspect", "split"]))
@@ -338,6 +340,8 @@ def draw_case(draw, corpus: dict, folder: Path) -> Case:
         return case
     command = draw(st.sampled_from(["eval", "run", "infer", "inspect"]))
     case.command = command
+    if kind == "backprop" and command == "infer" and not case.why:
+        case.why = "infer"  # infer does not read the backprop graph
     case.args = {"eval": evaluate, "run": run, "infer": infer, "inspect": ["inspect", frozen]}[command]
     return case
 

@@ -42,6 +42,8 @@ def test_corrupted_inputs_give_one_line_errors(corpus, tmp_path_factory):
         c = draw_case(data.draw, corpus, folder)
         verdict, detail = run_case(c)
         verdicts[(c.kind, verdict)] += 1
+        if c.kind == "backprop" and verdict == "accepted":
+            verdicts[("backprop accepted", c.why or "?")] += 1
         if verdict in BAD:
             failures.append((c.kind, verdict, c.args, detail))
             if not CAMPAIGN:
@@ -49,6 +51,8 @@ def test_corrupted_inputs_give_one_line_errors(corpus, tmp_path_factory):
 
     case()
     table = {k: {v: verdicts[(k, v)] for v in ("error", "accepted") + BAD} for k in KINDS}
+    table["backprop accepted"] = {why: verdicts[("backprop accepted", why)]
+                                  for why in ("unchanged", "forged", "infer", "?")}
     report = os.environ.get("MICROTRAIN_FUZZ_REPORT")
     if report:
         with open(report, "w") as f:

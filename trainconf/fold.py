@@ -42,8 +42,9 @@ def fold_shape_chains(g: Graph, folds: dict) -> tuple[set[int], dict[int, np.nda
             continue
         try:
             values[op.outputs[0]] = fn(g, op, values)
-        except ValueError as e:
-            raise UserError(None, f"operator {op.index} ({op.type}) cannot be folded: {e}")
+        except (ValueError, IndexError, TypeError) as e:  # shapes or indices that do not fit
+            raise UserError(None, f"operator {op.index} ({op.type}) cannot be folded: {e}") \
+                from None
         folded.add(op.index)
     read = {t for op in g.ops if op.index not in folded for t in op.inputs}
     produced = {t for i in folded for t in g.ops[i].outputs}

@@ -127,6 +127,10 @@ def cut_weights(model, trainable: list[int]) -> dict[int, np.ndarray]:
     """Remove the trainable tensors' data from the model; returns it for the .wof."""
     sg = model.subgraphs[0]
     weights = {t: buffer_array(model, sg.tensors[t]) for t in trainable}
+    empty = [t for t, w in weights.items() if w is None]
+    if empty:
+        raise UserError(None, f"tensor {empty[0]} '{sg.tensors[empty[0]].name}' would train but "
+                              "holds no data")
     for t in trainable:
         old = sg.tensors[t].buffer
         sg.tensors[t].buffer = 0

@@ -1,6 +1,7 @@
 """Turn a Graph built by trainconf into a circle model, and edit constants in place."""
 import numpy as np
 
+from microtrain.errors import UserError
 from microtrain.format import circle_generated as circle
 from microtrain.format.model import (add_operator_code, set_builtin_options, set_custom_options,
                                     set_metadata)
@@ -39,6 +40,8 @@ def tensor_type(dtype: np.dtype) -> int:
     imported only when used)."""
     if np.dtype(dtype).name == "bfloat16":
         return circle.TensorType.BFLOAT16
+    if np.dtype(dtype) not in TENSOR_TYPES:
+        raise UserError(None, f"tensor type {dtype} cannot take part in a backprop graph")
     return TENSOR_TYPES[np.dtype(dtype)]
 
 
