@@ -5,6 +5,8 @@ import click
 
 from . import session
 from .cli_common import FORCE_OPTION, CommandGroup, defaults_text, parameter_options, print_json
+from .files import check_output
+from .federated.settings import DEFAULTS as FED, STRATEGIES, TRANSMIT, FederatedSettings
 from .loss_scale import ADAPTIVE_DEFAULTS, DYNAMIC_DEFAULTS
 from .metrics import METRICS
 from .schedules import DEFAULTS as SCHEDULE_DEFAULTS, SCHEDULES
@@ -53,6 +55,27 @@ def target_options(fn):
     return fn
 
 
+def test_set_options(fn):
+    options = [
+        click.option("--test-input", "test_inputs", multiple=True,
+                     help="Test-set inputs (formats as --input); used for the test loss and to "
+                          "decide whether the weights improved."),
+        click.option("--test-target", "test_targets", multiple=True, help="Test-set targets."),
+        click.option("--validation-split", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+                     help="Hold out this last fraction of the training data as the test set "
+                          "(as Keras)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+loss_scale_option = click.option(
+    "--loss-scale", default="none", show_default=True,
+    help="Loss scaling against fp16 gradient underflow: none, a number (static scale), "
+         "dynamic (grow/back off) or adaptive (a scale per layer).")
+
+
 @click.group(cls=CommandGroup)
 @click.version_option(package_name="trainconf-microtrain")
 def main():
@@ -64,12 +87,7 @@ def main():
 @model_files
 @data_options
 @target_options
-@click.option("--test-input", "test_inputs", multiple=True,
-              help="Test-set inputs (formats as --input); used for the per-epoch test loss and to "
-                   "decide whether the weights improved.")
-@click.option("--test-target", "test_targets", multiple=True, help="Test-set targets.")
-@click.option("--validation-split", type=click.FloatRange(0, 1, min_open=True, max_open=True),
-              help="Hold out this last fraction of the training data as the test set (as Keras).")
+@test_set_options
 @parameter_options(RECORDED, ["epochs"])
 @click.option("--shuffle/--no-shuffle", default=True, show_default=True,
               help="Shuffle the training samples every epoch.")
@@ -85,9 +103,7 @@ def main():
 @click.option("--warmup-start", type=float, help="Schedule linear-warmup: lr at step 0.")
 @click.option("--metric", type=click.Choice(list(METRICS)),
               help="Metric to report. Default: accuracy for cross-entropy losses, else the loss kind.")
-@click.option("--loss-scale", default="none", show_default=True,
-              help="Loss scaling against fp16 gradient underflow: none, a number (static scale), "
-                   "dynamic (grow/back off) or adaptive (a scale per layer).")
+@loss_scale_option
 @click.option("--loss-scale-init", type=float,
               help=f"dynamic: initial scale. Default: {DYNAMIC_DEFAULTS['init']:g} (2^15).")
 @click.option("--growth-factor", type=float,
@@ -305,6 +321,100 @@ def infer(**kw):
         print_json(result)
     else:
         click.echo(f"wrote {result['samples']} outputs to {result['output']}")
+
+
+@main.command()
+@model_files
+@data_options
+@target_options
+@test_set_options
+@click.option("--clients", default=FED["clients"], show_default=True, type=click.IntRange(1),
+              help="Simulated devices; the training data is split across them.")
+@click.option("--rounds", default=FED["rounds"], show_default=True, type=click.IntRange(1),
+              help="Federated rounds.")
+@click.option("--partition", default=FED["partition"], show_default=True,
+              help="How the data is split: iid (equal random shares) or dirichlet:ALPHA (class "
+                   "shares per device drawn from Dirichlet(ALPHA); smaller is more skewed).")
+@click.option("--fraction", default=FED["fraction"], show_default=True,
+              type=click.FloatRange(0, 1, min_open=True),
+              help="Fraction of the devices that train in each round.")
+@click.option("--min-clients", default=FED["min_clients"], show_default=True,
+              type=click.IntRange(1),
+              help="Devices a round needs at least (Flower's min_train_nodes and "
+                   "min_available_nodes).")
+@click.option("--local-epochs", default=FED["local_epochs"], show_default=True,
+              type=click.IntRange(1), help="Epochs each device trains per round.")
+@click.option("--strategy", type=click.Choice(STRATEGIES), default=FED["strategy"],
+              show_default=True, help="Flower's aggregation strategy.")
+@click.option("--proximal-mu", default=FED["proximal_mu"], show_default=True, type=float,
+              help="fedprox: weight of the proximal term mu/2 ||w - w_global||^2.")
+@click.option("--server-learning-rate", default=FED["server_learning_rate"],
+              show_default=True, type=float, help="fedadam: the server's step size (eta).")
+@click.option("--transmit", type=click.Choice(TRANSMIT), default=FED["transmit"],
+              show_default=True,
+              help="Type of the weights on the wire, both ways (fp16 halves the bytes; the "
+                   "server aggregates and devices train in fp32).")
+@parameter_options(RECORDED, ["optimizer", "hyperparameters"])
+@loss_scale_option
+@click.option("--keep-optimizer-state/--reset-optimizer-state",
+              default=FED["keep_optimizer_state"], show_default=True,
+              help="Whether a device keeps its optimizer state between rounds.")
+@click.option("--client-threads", default=FED["client_threads"], show_default=True,
+              type=click.IntRange(1), help="BLAS threads of each device's process.")
+@click.option("--workers", type=click.IntRange(1),
+              help="Worker processes training devices side by side. Default: the cores.")
+@click.option("--seed", default=FED["seed"], show_default=True, type=int,
+              help="Seed of the partition and of every device's shuffling.")
+@click.option("--round-timeout", default=FED["round_timeout"], show_default=True, type=float,
+              help="Seconds the server waits for the devices' replies in a round.")
+@click.option("--output-wof", type=click.Path(dir_okay=False),
+              help="Write the best global weights here. Default: overwrite the input .wof.")
+@click.option("--write-app", type=click.Path(file_okay=False),
+              help="Instead of simulating, write a Flower app (pyproject.toml) with these "
+                   "settings to this folder, for `flwr run FOLDER SUPERLINK`.")
+@FORCE_OPTION
+def federated(**kw):
+    """Federated fine-tuning of FROZEN's trainable weights with Flower: the training
+    data is split across --clients simulated devices that train locally each round;
+    the server aggregates their weights, evaluates them on the held-out set and writes
+    the best to the .wof if they beat the starting weights. Needs the [federated] extra."""
+    settings = FederatedSettings.from_options(kw)
+    if settings.output_wof:
+        check_output(settings.output_wof, ("wof",), kw["force"])
+    try:
+        if kw["write_app"]:
+            from .federated.deployment import write_app
+        else:
+            from .federated.simulation import simulate
+    except ImportError as e:
+        raise click.ClickException(
+            f"microtrain federated needs Flower ({e.name.split('.')[0]} is missing): "
+            "pip install 'trainconf-microtrain[federated]'") from None
+    if kw["write_app"]:
+        path = write_app(kw["write_app"], settings)
+        click.echo(f"wrote {path}; run it with: flwr run {kw['write_app']} SUPERLINK")
+        return
+    summary = simulate(settings, on_round=_round_printer(kw["as_json"], settings.rounds),
+                       workers=kw["workers"])
+    if kw["as_json"]:
+        print_json(summary)
+    else:
+        click.echo(summary["message"])
+
+
+def _round_printer(as_json: bool, rounds: int):
+    def show(record: dict) -> None:
+        if as_json:
+            print_json(record)
+            return
+        parts = [f"Round {record['round']}/{rounds}",
+                 f"clients: {record['clients']}" + (f" ({record['failed']} failed)"
+                                                    if record["failed"] else "")]
+        parts += [f"{k}: {v:.4f}" for k, v in record.items()
+                  if isinstance(v, float) and k not in ("round",)]
+        parts += [f"sent: {record['bytes_down']} B", f"received: {record['bytes_up']} B"]
+        click.echo(" - ".join(parts))
+    return show
 
 
 if __name__ == "__main__":

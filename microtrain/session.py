@@ -31,7 +31,9 @@ def load_data(specs, shapes=()) -> list[np.ndarray]:
     return [load_array(spec, shapes[i] if shapes else None) for i, spec in enumerate(specs)]
 
 
-def _test_set(kw, xs, ts):
+def split_test_set(kw, xs, ts):
+    """(training inputs, training targets, test set or None) by --validation-split
+    or --test-input/--test-target."""
     if bool(kw.get("test_inputs")) != bool(kw.get("test_targets")):
         raise UserError(None, "give --test-input and --test-target together")
     if kw.get("validation_split"):
@@ -131,7 +133,7 @@ def prepare(kw) -> tuple[Trainer, list, list, tuple | None]:
     trainer = make_trainer(kw)
     xs = load_data(kw["inputs"], kw.get("input_shapes", ()))
     ts = load_data(kw["targets"], kw.get("target_shapes", ()))
-    xs, ts, test = _test_set(kw, xs, ts)
+    xs, ts, test = split_test_set(kw, xs, ts)
     xs, ts = trainer.check_data(xs, ts, (kw["inputs"], kw["targets"]))
     if test:
         test = trainer.check_data(*test, (kw.get("test_inputs") or kw["inputs"],

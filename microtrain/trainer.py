@@ -109,6 +109,8 @@ class Trainer:
         self._snapshot = np.empty_like(self.memory.params)  # the weights at an epoch's start
         self._accum_weight, self._accum_count = 0, 0
         self.epoch = 0
+        # FedProx: (mu, global weights); adds the gradient of mu/2 * ||w - global||^2
+        self.proximal: tuple[float, np.ndarray] | None = None
         self._plans: dict[int, Plan] = {}
         self._meters: dict[int, Callable[[], tuple[float, int]]] = {}
 
@@ -208,6 +210,9 @@ class Trainer:
         finite = self.scaler.kind == "none" or bool(np.isfinite(grads).all())
         if finite:
             self.scaler.unscale(grads)
+            if self.proximal is not None:
+                mu, anchor = self.proximal
+                grads += np.float32(mu) * (self.memory.params - anchor)
             self.optimizer.apply(self.memory.params, grads, self.schedule(self.optimizer.iterations))
             self.memory.refresh_weights()
         self.scaler.update(finite)

@@ -1,0 +1,104 @@
+"""The device: a Flower ClientApp that fine-tunes the received trainable weights
+with the Trainer of `microtrain run` on its own share of the data.
+
+Each training message carries the global weights and the run's settings; the
+device's share is `partition-id` of `num-partitions` (Flower's node config: the
+simulation sets it, a SuperNode gets it from `--node-config`).  Optimizer and
+loss-scale state stay with the device between rounds (Flower's per-node
+`context.state`) unless the settings ask to reset them every round.
+"""
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from ..errors import UserError
+from ..session import make_trainer
+from ..shuffle import Shuffler
+from ..threads import limit_blas_threads
+from ..trainer import Trainer
+from .data import training_part
+from .partition import partition
+from .settings import CONFIG_KEY, FederatedSettings
+from .wire import ARRAYS_KEY, from_record, to_record
+
+app = ClientApp()
+
+
+@dataclass
+class Device:
+    trainer: Trainer
+    inputs: list
+    targets: list
+    fresh_optimizer: dict   # optimizer and loss-scale state before any step, to reset them
+    fresh_scaler: dict
+
+
+@lru_cache(maxsize=16)
+def _device(settings_json: str, partition_id: int) -> Device:
+    """The trainer and data of one device; kept per process, since a simulation
+    runs many devices, round after round, in a few worker processes."""
+    settings = FederatedSettings.from_json(settings_json)
+    limit_blas_threads(settings.client_threads)
+    if not 0 <= partition_id < settings.clients:
+        raise UserError(None, f"partition-id {partition_id} is not one of the "
+                              f"{settings.clients} clients")
+    xs, ts = training_part(settings)
+    mine = partition(settings.partition, ts[0], settings.clients, settings.seed)[partition_id]
+    xs, ts = [x[mine] for x in xs], [t[mine] for t in ts]
+    kw = {"frozen": settings.frozen, "wof": settings.wof, "backprop": settings.backprop,
+          "optimizer": settings.optimizer, "loss_scale": settings.loss_scale,
+          "batch_size": settings.batch_size, **settings.hyperparameters}
+    trainer = make_trainer(kw)
+    if trainer.batch_size > len(mine):   # a device with less data than one batch
+        trainer = make_trainer({**kw, "batch_size": len(mine)})
+    xs, ts = trainer.check_data(xs, ts, (settings.inputs, settings.targets))
+    return Device(trainer, xs, ts, trainer.optimizer.state(), trainer.scaler.state())
+
+
+def _restore(device: Device, state: RecordDict, keep: bool) -> None:
+    trainer = device.trainer
+    if keep and "optimizer" in state:
+        trainer.optimizer.load_state({k: a.numpy() for k, a in state["optimizer"].items()})
+        saved = state["counters"]
+        trainer.optimizer.iterations = int(saved["iterations"])
+        trainer.scaler.load_state(json.loads(saved["loss_scale"]))
+    else:
+        trainer.optimizer.load_state(device.fresh_optimizer)
+        trainer.optimizer.iterations = 0
+        trainer.scaler.load_state(device.fresh_scaler)
+
+
+def _keep(device: Device, state: RecordDict) -> None:
+    trainer = device.trainer
+    state["optimizer"] = ArrayRecord({k: Array(v) for k, v in trainer.optimizer.state().items()})
+    state["counters"] = ConfigRecord({"iterations": trainer.optimizer.iterations,
+                                      "loss_scale": json.dumps(trainer.scaler.state())})
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    settings_json = msg.content["config"][CONFIG_KEY]
+    settings = FederatedSettings.from_json(settings_json)
+    device = _device(settings_json, int(context.node_config["partition-id"]))
+    trainer, received = device.trainer, msg.content[ARRAYS_KEY]
+    start = from_record(received)
+    _restore(device, context.state, settings.keep_optimizer_state)
+    trainer.set_params(start)
+    trainer.epoch = 0
+    trainer.proximal = (settings.proximal_mu, start) if settings.strategy == "fedprox" else None
+    round_ = int(msg.content["config"]["server-round"])
+    seed = (settings.seed * 1_000_003 + round_) * 1009 + int(context.node_config["partition-id"])
+    history = trainer.fit(device.inputs, device.targets, epochs=settings.local_epochs,
+                          shuffle=True, rng=Shuffler(seed))
+    if settings.keep_optimizer_state:
+        _keep(device, context.state)
+    last = history[-1]
+    metrics = MetricRecord({"num-examples": len(device.inputs[0]), "train_loss": last["loss"],
+                            f"train_{trainer.metric}": last[trainer.metric]})
+    wire_type = received["wof"].numpy().dtype   # reply in the type the server sent
+    return Message(RecordDict({ARRAYS_KEY: to_record(trainer.memory.params, wire_type),
+                               "metrics": metrics}), reply_to=msg)
