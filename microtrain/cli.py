@@ -5,8 +5,8 @@ import click
 
 from . import session
 from .cli_common import FORCE_OPTION, CommandGroup, defaults_text, parameter_options, print_json
-from .files import check_output
 from .federated.settings import DEFAULTS as FED, STRATEGIES, TRANSMIT, FederatedSettings
+from .files import check_output
 from .loss_scale import ADAPTIVE_DEFAULTS, DYNAMIC_DEFAULTS
 from .metrics import METRICS
 from .schedules import DEFAULTS as SCHEDULE_DEFAULTS, SCHEDULES
