@@ -244,11 +244,8 @@ class Hooks:
         wide_in = [_wide(a) for a in inputs]
         wide_out = [_wide(a) for a in outputs]
         loads = [widen(a, w) for a, w in zip(inputs, wide_in) if w is not a]
-        try:
-            steps = [self.scaler.kernel(op, wide_in, wide_out) if backprop
-                     else prepare(op.type, wide_in, wide_out, **op.options)]
-        except (ValueError, NotImplementedError) as e:  # a kernel refusing its options
-            raise UserError(None, f"operator {op.index} ({op.type}): {e}") from None
+        steps = [self.scaler.kernel(op, wide_in, wide_out) if backprop
+                 else prepare(op.type, wide_in, wide_out, **op.options)]
         if backprop:
             steps += self.scaler.after(op, wide_in, wide_out)
         for t, a, w in zip(op.outputs, outputs, wide_out):
