@@ -342,6 +342,11 @@ def infer(**kw):
               type=click.IntRange(1),
               help="Devices a round needs at least (Flower's min_train_nodes and "
                    "min_available_nodes).")
+@click.option("--evaluate-fraction", default=FED["evaluate_fraction"], show_default=True,
+              type=click.FloatRange(0, 1),
+              help="Fraction of the devices that also evaluate the global weights on their own "
+                   "data each round (device_loss, device_<metric>); the server always evaluates "
+                   "them on the held-out set.")
 @click.option("--local-epochs", default=FED["local_epochs"], show_default=True,
               type=click.IntRange(1), help="Epochs each device trains per round.")
 @click.option("--strategy", type=click.Choice(STRATEGIES), default=FED["strategy"],

@@ -124,7 +124,7 @@ def test_wire_grid_encodes_and_counts(transmit, itemsize):
     replies = grid.send_and_receive(messages)
     payload = 2410 * itemsize + 128              # the data plus numpy's .npy header
     assert grid.bytes_down == 3 * payload and grid.bytes_up == 2 * payload
-    assert (grid.replies, grid.failures, grid.mean_train_loss()) == (2, 1, 0.5)
+    assert (grid.replies, grid.failures, grid.means()) == (2, 1, {"train_loss": 0.5})
     back = from_record(replies[0].content["arrays"])
     assert back.dtype == np.float32
     wire = np.float16 if transmit == "fp16" else np.float32
@@ -155,6 +155,25 @@ def test_device_keeps_or_resets_its_optimizer_state(frozen, keep):
     device = client_app._device(settings.to_json(), 1)
     assert device.trainer.optimizer.iterations == (2 * steps if keep else steps)
     assert ("optimizer" in context.state) == keep
+
+
+def test_device_evaluates_the_global_weights_on_its_share(frozen):
+    from microtrain.data import validation_split
+    settings = settings_for(frozen, clients=4, evaluate_fraction=0.5)
+    context = Context(run_id=1, node_id=1, node_config={"partition-id": 2, "num-partitions": 4},
+                      state=RecordDict(), run_config={})
+    trainer = Trainer(frozen)
+    weights = trainer.memory.params * np.float32(0.5)
+    message = _train_message(settings, weights, 1)
+    message.metadata.message_type = "evaluate"
+    metrics = client_app.evaluate(message, context).content["metrics"]
+    (x, y), _ = validation_split([np.load(X), np.load(Y)], 0.2)
+    mine = partition("iid", y, 4, seed=0)[2]
+    trainer.set_params(weights)
+    expected = trainer.evaluate([x[mine]], [y[mine]])
+    assert metrics["num-examples"] == len(mine)
+    assert metrics["device_loss"] == pytest.approx(expected["loss"])
+    assert metrics["device_accuracy"] == pytest.approx(expected["accuracy"])
 
 
 def test_fedprox_adds_the_proximal_gradient(frozen):

@@ -47,7 +47,7 @@ def simulation(frozen):
         [sys.executable, "-m", "microtrain.cli", "federated", str(frozen), "--input", str(X),
          "--target", str(Y), "--validation-split", "0.2", "--clients", "4", "--rounds", "3",
          "--fraction", "0.5", "--partition", "dirichlet:0.5", "--local-epochs", "2",
-         "--transmit", "fp16", "--workers", "2", "--json"],
+         "--transmit", "fp16", "--evaluate-fraction", "0.5", "--workers", "2", "--json"],
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads(line) for line in out.stdout.splitlines()], wof, before
@@ -59,9 +59,12 @@ def test_simulation_prints_one_json_line_per_round(simulation):
     assert [r["round"] for r in rounds] == [0, 1, 2, 3] and summary["event"] == "summary"
     for r in rounds[1:]:
         assert (r["clients"], r["failed"]) == (2, 0)          # half of the 4 devices
-        # fp16 on the wire both ways: 2 bytes a weight (+ the .npy header) per device
-        assert r["bytes_down"] == r["bytes_up"] == 2 * (2 * PARAMS + NPY_HEADER)
+        # fp16 on the wire both ways: 2 bytes a weight (+ the .npy header) per device;
+        # the 2 devices that evaluate receive the weights too and send none back
+        assert r["bytes_down"] == 4 * (2 * PARAMS + NPY_HEADER)
+        assert r["bytes_up"] == 2 * (2 * PARAMS + NPY_HEADER)
         assert np.isfinite(r["train_loss"]) and np.isfinite(r["test_loss"])
+        assert 0 <= r["device_accuracy"] <= 1      # 2 devices evaluated on their own data
 
 
 def test_simulation_learns_and_replaces_the_wof_atomically_with_the_best(simulation, frozen):

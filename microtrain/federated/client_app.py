@@ -79,11 +79,15 @@ def _keep(device: Device, state: RecordDict) -> None:
                                       "loss_scale": json.dumps(trainer.scaler.state())})
 
 
+def _settings_and_device(msg: Message, context: Context) -> tuple[FederatedSettings, Device]:
+    settings_json = msg.content["config"][CONFIG_KEY]
+    return (FederatedSettings.from_json(settings_json),
+            _device(settings_json, int(context.node_config["partition-id"])))
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    settings_json = msg.content["config"][CONFIG_KEY]
-    settings = FederatedSettings.from_json(settings_json)
-    device = _device(settings_json, int(context.node_config["partition-id"]))
+    settings, device = _settings_and_device(msg, context)
     trainer, received = device.trainer, msg.content[ARRAYS_KEY]
     start = from_record(received)
     _restore(device, context.state, settings.keep_optimizer_state)
@@ -102,3 +106,15 @@ def train(msg: Message, context: Context) -> Message:
     wire_type = received["wof"].numpy().dtype   # reply in the type the server sent
     return Message(RecordDict({ARRAYS_KEY: to_record(trainer.memory.params, wire_type),
                                "metrics": metrics}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Loss and metric of the received global weights on this device's data."""
+    _, device = _settings_and_device(msg, context)
+    trainer = device.trainer
+    trainer.set_params(from_record(msg.content[ARRAYS_KEY]))
+    result = trainer.evaluate(device.inputs, device.targets, checked=True)
+    return Message(RecordDict({"metrics": MetricRecord({
+        "num-examples": result["samples"], "device_loss": result["loss"],
+        f"device_{trainer.metric}": result[trainer.metric]})}), reply_to=msg)

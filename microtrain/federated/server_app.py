@@ -25,9 +25,12 @@ OnRound = Callable[[dict], None]
 
 def make_strategy(settings: FederatedSettings):
     """FedAvg, FedProx or FedAdam sampling `fraction` of the connected devices
-    (at least `min_clients`); evaluation happens on the server."""
-    common = dict(fraction_train=settings.fraction, fraction_evaluate=0.0,
-                  min_train_nodes=settings.min_clients, min_available_nodes=settings.min_clients)
+    (at least `min_clients`) to train, and `evaluate_fraction` of them to evaluate
+    the global weights on their own data (the server always evaluates them)."""
+    common = dict(fraction_train=settings.fraction, fraction_evaluate=settings.evaluate_fraction,
+                  min_train_nodes=settings.min_clients,
+                  min_evaluate_nodes=settings.min_clients if settings.evaluate_fraction else 0,
+                  min_available_nodes=settings.min_clients)
     if settings.strategy == "fedprox":
         return FedProx(**common, proximal_mu=settings.proximal_mu)
     if settings.strategy == "fedadam":
@@ -50,9 +53,8 @@ def serve(grid: Grid, settings: FederatedSettings, on_round: OnRound | None = No
         trainer.set_params(params)
         result = trainer.evaluate(*test, checked=True)
         record = {"round": server_round, "clients": wire.replies, "failed": wire.failures,
-                  "train_loss": wire.mean_train_loss(), "test_loss": result["loss"],
-                  f"test_{metric}": result[metric], "bytes_down": wire.bytes_down,
-                  "bytes_up": wire.bytes_up}
+                  **wire.means(), "test_loss": result["loss"], f"test_{metric}": result[metric],
+                  "bytes_down": wire.bytes_down, "bytes_up": wire.bytes_up}
         wire.reset()
         rounds.append(record)
         if not best or trainer.improved(best["result"], result):
@@ -65,7 +67,8 @@ def serve(grid: Grid, settings: FederatedSettings, on_round: OnRound | None = No
     config = ConfigRecord({CONFIG_KEY: settings.to_json()})
     make_strategy(settings).start(grid=wire, initial_arrays=to_record(trainer.memory.params),
                                   num_rounds=settings.rounds, timeout=settings.round_timeout,
-                                  train_config=config, evaluate_fn=evaluate)
+                                  train_config=config, evaluate_config=config,
+                                  evaluate_fn=evaluate)
     return _finish(trainer, settings, rounds, best)
 
 

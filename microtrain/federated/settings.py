@@ -32,6 +32,7 @@ class FederatedSettings:
     partition: str = "iid"
     fraction: float = 1.0
     min_clients: int = 2
+    evaluate_fraction: float = 0.0
     local_epochs: int = 1
     strategy: str = "fedavg"
     proximal_mu: float = 0.01
@@ -62,6 +63,9 @@ class FederatedSettings:
                                       f"got {getattr(self, name)}")
         if not 0 < self.fraction <= 1:
             raise UserError(None, f"--fraction must be in (0, 1], got {self.fraction}")
+        if not 0 <= self.evaluate_fraction <= 1:
+            raise UserError(None, f"--evaluate-fraction must be in [0, 1], got "
+                                  f"{self.evaluate_fraction}")
         if not 1 <= self.min_clients <= self.clients:
             raise UserError(None, f"--min-clients must be between 1 and --clients "
                                   f"({self.clients}), got {self.min_clients}")

@@ -7,7 +7,7 @@ in fp32 and replies in the type it received.  `WireGrid` applies the encoding at
 the boundary (the strategy never sees fp16) and counts the bytes.
 """
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message
+from flwr.app import Array, ArrayRecord, Message, MessageType
 
 ARRAYS_KEY = "arrays"   # the strategies' default key of the ArrayRecord in a message
 WIRE_DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -37,7 +37,8 @@ class WireGrid:
 
     def reset(self) -> None:
         self.replies = self.failures = self.bytes_down = self.bytes_up = 0
-        self.train_loss, self.examples = 0.0, 0
+        self.sums: dict[str, float] = {}     # metric -> sum of value x examples, over replies
+        self.examples: dict[str, int] = {}
 
     def get_node_ids(self):
         return self.grid.get_node_ids()
@@ -59,21 +60,27 @@ class WireGrid:
             self.bytes_down += record_bytes(wire)
 
     def _decode(self, reply: Message) -> None:
+        """Count a reply: `replies`/`failures` count training replies (the devices
+        whose update is aggregated); metrics of every reply are averaged."""
+        training = reply.metadata.message_type == MessageType.TRAIN
         if reply.has_error():
-            self.failures += 1
+            self.failures += training
             return
-        self.replies += 1
+        self.replies += training
         record = reply.content.array_records.get(ARRAYS_KEY)
         if record is not None:
             self.bytes_up += record_bytes(record)
             reply.content[ARRAYS_KEY] = to_record(from_record(record))
-        metrics = reply.content.metric_records.get("metrics")
-        if metrics is not None and "train_loss" in metrics:
-            self.train_loss += float(metrics["train_loss"]) * int(metrics["num-examples"])
-            self.examples += int(metrics["num-examples"])
+        for metrics in reply.content.metric_records.values():
+            n = int(metrics.get("num-examples", 0))
+            for key, value in metrics.items():
+                if key != "num-examples":
+                    self.sums[key] = self.sums.get(key, 0.0) + float(value) * n
+                    self.examples[key] = self.examples.get(key, 0) + n
 
-    def mean_train_loss(self) -> float | None:
-        return self.train_loss / self.examples if self.examples else None
+    def means(self) -> dict[str, float]:
+        """The devices' metrics this round, each averaged weighting by examples."""
+        return {k: self.sums[k] / self.examples[k] for k in sorted(self.sums) if self.examples[k]}
 
     def __getattr__(self, name):  # the rest of the Grid API, unchanged
         return getattr(self.grid, name)
