@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -177,9 +178,12 @@ def run_model(model: Path, name: str, work: Path, env, learning_rate: float) -> 
         inputs = [a for p in data["x"] for a in ("--input", p)]
         targets = [a for p in data["t"] for a in ("--target", p)]
         predicted = work / "y.npz"
-        r.infer, _ = command(["microtrain.cli", "infer", frozen, *inputs, "-o", predicted], env,
-                             work)
-        if r.infer.status == "ok" and ys is not None:
+        if any(s.infer for s in result.specs.values()):
+            pass  # the forward pass is the same for every spec: infer once
+        else:
+            r.infer, _ = command(["microtrain.cli", "infer", frozen, *inputs, "-o", predicted],
+                                 env, work)
+        if r.infer and r.infer.status == "ok" and ys is not None:
             with np.load(predicted) as z:
                 mine = [z[k] for k in z.files]
             r.max_diff = max(float(np.max(np.abs(a - b))) for a, b in zip(mine, ys))
@@ -264,18 +268,42 @@ def main() -> None:
                         help="Adam's learning rate for the 2 training steps (default: %(default)s)")
     parser.add_argument("--code", type=Path, default=REPO,
                         help="checkout whose trainconf/microtrain run (default: this one)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="models measured at once (default: %(default)s)")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="REPORT_JSON",
+                        help="run nothing: write one report from these report.json files")
     args = parser.parse_args()
+    argv = " ".join(["python", *sys.argv])
+    out = args.output or args.cache
+    if args.merge:
+        results = [load_result(d) for f in args.merge for d in json.loads(f.read_text())]
+        write_report(sorted(results, key=lambda r: r.name), out, argv, args.code, args.learning_rate)
+        return
     env = dict(os.environ, PYTHONPATH=str(args.code.resolve()))
-    results = []
-    for model in sorted(args.cache.glob(args.models)):
+
+    def measure(model: Path) -> ModelResult:
         name = f"{model.parent.name}/{model.stem}"
         with tempfile.TemporaryDirectory() as tmp:
             r = run_model(model, name, Path(tmp), env, args.learning_rate)
-        results.append(r)
         print(name, r.import_.status, r.inspect.status,
               *(f"{s}:{spec_cell(r.specs.get(s))}" for s in SPECS), flush=True)
-        write_report(results, args.output or args.cache, " ".join(["python", *sys.argv]), args.code,
-                     args.learning_rate)
+        return r
+
+    results = []
+    with ThreadPoolExecutor(args.jobs) as pool:  # the work is in subprocesses
+        for r in pool.map(measure, sorted(args.cache.glob(args.models))):
+            results.append(r)
+            write_report(results, out, argv, args.code, args.learning_rate)
+
+
+def load_result(d: dict) -> ModelResult:
+    """A ModelResult back from its report.json form."""
+    def outcome(o):
+        return o and Outcome(**o)
+    specs = {k: SpecResult(**{**v, "split": outcome(v["split"]), "infer": outcome(v["infer"]),
+                              "run": outcome(v["run"])}) for k, v in d["specs"].items()}
+    return ModelResult(**{**d, "import_": outcome(d["import_"]), "inspect": outcome(d["inspect"]),
+                          "specs": specs})
 
 
 if __name__ == "__main__":
