@@ -271,13 +271,15 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1,
                         help="models measured at once (default: %(default)s)")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="REPORT_JSON",
-                        help="run nothing: write one report from these report.json files")
+                        help="run nothing: write one report from these report.json files "
+                             "(a model in several: the last file's)")
     args = parser.parse_args()
     argv = " ".join(["python", *sys.argv])
     out = args.output or args.cache
     if args.merge:
-        results = [load_result(d) for f in args.merge for d in json.loads(f.read_text())]
-        write_report(sorted(results, key=lambda r: r.name), out, argv, args.code, args.learning_rate)
+        latest = {d["name"]: d for f in args.merge for d in json.loads(f.read_text())}  # later wins
+        write_report([load_result(latest[k]) for k in sorted(latest)], out, argv, args.code,
+                     args.learning_rate)
         return
     env = dict(os.environ, PYTHONPATH=str(args.code.resolve()))
 
