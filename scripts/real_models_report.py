@@ -260,8 +260,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", type=Path, required=True,
                         help="the directory scripts/fetch_real_models.py filled")
-    parser.add_argument("--models", default="*/*.tflite",
-                        help="glob of models under the cache (default: %(default)s)")
+    parser.add_argument("--models", nargs="+", default=["*/*.tflite"],
+                        help="globs of models under the cache (default: %(default)s)")
     parser.add_argument("--output", type=Path,
                         help="directory for REPORT.md and report.json (default: the cache)")
     parser.add_argument("--learning-rate", type=float, default=1e-4,
@@ -293,7 +293,7 @@ def main() -> None:
 
     results = []
     with ThreadPoolExecutor(args.jobs) as pool:  # the work is in subprocesses
-        for r in pool.map(measure, sorted(args.cache.glob(args.models))):
+        for r in pool.map(measure, sorted({m for g in args.models for m in args.cache.glob(g)})):
             results.append(r)
             write_report(results, out, argv, args.code, args.learning_rate)
 
