@@ -6,9 +6,10 @@
   (the newest release that still ships them). The wheel is only unzipped, never installed;
   give it with --mediapipe-wheel or the script fetches it with `pip download`.
 - keras: Keras applications with random weights (weights=None), a 10-class head and a 32x32x3
-  input (the smallest each allows), converted by TensorFlow's TFLiteConverter from a SavedModel;
-  plus MobileNetV2 quantized two ways: dynamic range (int8 weights, float activations) and full
-  integer (int8 activations). Needs TensorFlow: --tf-python names an interpreter that has it.
+  input (the smallest each allows), converted by TensorFlow's TFLiteConverter from a SavedModel,
+  and a small CNN; MobileNetV2 and the CNN also quantized two ways: dynamic range (int8 weights,
+  float activations) and full integer (int8 activations). Needs TensorFlow: --tf-python names an
+  interpreter that has it.
 - torch: PyTorch models with random weights converted by litert-torch: a small CNN,
   torchvision's mobilenet_v3_small and resnet18. --torch-python names an interpreter with
   torch, torchvision and litert-torch.
@@ -69,13 +70,22 @@ def keras_worker(out: Path) -> None:
     import numpy as np
     import tensorflow as tf
 
+    def small_cnn(weights, classes, input_shape):
+        layers = keras.layers
+        return keras.Sequential([
+            keras.Input(input_shape), layers.Conv2D(16, 3, activation="relu"), layers.MaxPooling2D(),
+            layers.Conv2D(32, 3, activation="relu"), layers.MaxPooling2D(), layers.Flatten(),
+            layers.Dense(classes, activation="softmax")])
+
     apps = {
         "mobilenet_v2": keras.applications.MobileNetV2,
         "mobilenet_v3_small": keras.applications.MobileNetV3Small,
         "efficientnet_b0": keras.applications.EfficientNetB0,
         "resnet50": keras.applications.ResNet50,
         "densenet121": keras.applications.DenseNet121,
+        "small_cnn": small_cnn,  # its outputs are far from uniform, unlike the deep ones' here
     }
+    quantized = ("mobilenet_v2", "small_cnn")
 
     def representative():
         rng = np.random.default_rng(SEED)
@@ -100,7 +110,7 @@ def keras_worker(out: Path) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             model.export(tmp, verbose=False)
             for suffix, configure in variants.items():
-                if suffix and name != "mobilenet_v2":
+                if suffix and name not in quantized:
                     continue
                 converter = tf.lite.TFLiteConverter.from_saved_model(tmp)
                 if configure:
