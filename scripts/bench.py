@@ -377,33 +377,108 @@ def tool_times(folder: Path) -> dict:
             "split_ms": _median_ms(lambda: split(model, folder / "split"))}
 
 
-def precision_ratio(ws: Workspace, name: str, epochs: int) -> dict:
-    """microtrain's compute ms/step with fp32 and with fp16 (dynamic loss scale), Adam."""
-    from microtrain.loss_scale import make_loss_scale
-    from microtrain.trainer import Trainer
+# (types, --loss-scale) of the precision table: fp32, fp16 with every loss-scale kind, bf16
+PRECISION_RUNS = [("fp32", "none"), ("fp16", "none"), ("fp16", "1024"), ("fp16", "dynamic"),
+                  ("fp16", "adaptive"), ("bf16", "none")]
+# the issue's memory targets: fp16/fp32 planned and measured peak on MobileNetV2
+MEMORY_TARGETS = [("adam", 32, 0.8), ("sgd", 32, 0.75), ("sgd", 128, 0.65)]
+
+
+def _precision_workers(ws: Workspace, name: str, runs, optimizer: str, batch: int) -> dict:
+    """A microtrain worker per (types, loss scale), and each split's planned peak."""
     from trainconf.split import split
     x, y, _ = ws.data(name)
-    xs, ts = np.load(x), np.load(y)
-    row = {"model": name}
-    for precision in ("fp32", "fp16"):
-        frozen = split(FIXTURES / f"{name}.tflite", ws.folder / f"{name}-{precision}",
-                       precision=precision).frozen
-        trainer = Trainer(frozen, batch_size=BATCH, optimizer="adam",
-                          loss_scale=make_loss_scale("dynamic" if precision == "fp16" else "none"))
-        history = trainer.fit([xs], [ts], epochs=epochs + 1, shuffle=False)[1:]
-        row[precision] = float(np.median([r["ms_per_step"] for r in history]))
-    row["ratio"] = row["fp16"] / row["fp32"]
+    workers, planned = {}, {}
+    for types, scale in runs:
+        out = ws.folder / f"{name}-{types}-{optimizer}-{batch}"
+        result = split(FIXTURES / f"{name}.tflite", out, loss=MODELS[name][1], precision=types,
+                       optimizer=optimizer, batch_size=batch)
+        planned[types, scale] = result.memory["total"]
+        workers[types, scale] = ws.worker("microtrain", {
+            "x": x, "y": y, "optimizer": optimizer, "learning_rate": LEARNING_RATES[optimizer],
+            "batch": batch, "loss": MODELS[name][1], "frozen": str(result.frozen),
+            "loss_scale": scale})
+    return {"workers": workers, "planned": planned}
+
+
+def precision_row(ws: Workspace, name: str, rounds: int, epochs: int) -> dict:
+    """microtrain's compute ms/step (Adam, batch 32) and peak memory per type and
+    loss scale, the runs alternating in fresh processes; ratios to fp32 within this run."""
+    started = _precision_workers(ws, name, PRECISION_RUNS, "adam", BATCH)
+    replies = alternate(started["workers"], rounds, epochs)
+    row = {"model": name, "runs": {}}
+    for key, worker in started["workers"].items():
+        final = worker.finish()
+        row["runs"][" ".join(key)] = {
+            "compute_ms_per_step": statistics.median(
+                ms for r in replies[key] for ms in r["compute_ms_per_step"]),
+            "planned_bytes": started["planned"][key], "peak_mib": final["peak_kib"] / 1024,
+            "added_mib": (final["peak_kib"] - worker.hello["baseline_kib"]) / 1024,
+            "final_loss": final["final_loss"]}
     return row
 
 
+def memory_targets(ws: Workspace, rounds: int) -> list[dict]:
+    """fp32 against fp16 (dynamic loss scale) on MobileNetV2 for each memory target."""
+    rows = []
+    for optimizer, batch, target in MEMORY_TARGETS:
+        started = _precision_workers(ws, "mobilenetv2", [("fp32", "none"), ("fp16", "dynamic")],
+                                     optimizer, batch)
+        alternate(started["workers"], 1, 1)
+        row = {"optimizer": optimizer, "batch": batch, "target": target}
+        for key, worker in started["workers"].items():
+            final = worker.finish()
+            row[key[0]] = {"planned_bytes": started["planned"][key],
+                           "peak_mib": final["peak_kib"] / 1024,
+                           "added_mib": (final["peak_kib"] - worker.hello["baseline_kib"]) / 1024}
+        rows.append(row)
+    return rows
+
+
+def _ratio_cell(value: float, target: float) -> str:
+    return f"**{value:.2f}**" + ("" if value <= target else " (misses)")
+
+
 def extra_markdown(report: dict) -> str:
-    tools = report["tools"]
-    lines = ["", f"Host side, MobileNetV2 (1.6 MB, 65 ops): load + save {tools['load_save_ms']:.0f} ms, "
-                 f"`trainconf split` {tools['split_ms']:.0f} ms (medians of 5).", "",
-             "| model | microtrain fp32 compute ms/step | fp16 (dynamic loss scale) | fp16 / fp32 |",
-             "|---|---|---|---|"]
-    lines += [f"| {r['model']} | {_ms(r['fp32'])} | {_ms(r['fp16'])} | **{r['ratio']:.2f}** |"
-              for r in report["precision"]]
+    lines = []
+    if "tools" in report:
+        tools = report["tools"]
+        lines += ["", f"Host side, MobileNetV2 (1.6 MB, 65 ops): load + save "
+                      f"{tools['load_save_ms']:.0f} ms, `trainconf split` {tools['split_ms']:.0f} ms "
+                      "(medians of 5)."]
+    names = [" ".join(k) for k in PRECISION_RUNS]
+    lines += ["", "Mixed precision, Adam, batch 32: compute ms/step (forward + backward + update; "
+                  "ratio to fp32 in brackets, target 1.5) and planned / measured peak (MiB; "
+                  "measured = whole-process peak RSS, + = above the worker's peak after its "
+                  "imports):", "",
+              "| model | " + " | ".join(names) + " | planned fp32 / fp16 / bf16 | measured fp32 / "
+              "fp16 / bf16 |", "|---|" + "---|" * (len(names) + 2)]
+    for row in report["precision"]:
+        runs, base = row["runs"], row["runs"]["fp32 none"]["compute_ms_per_step"]
+        cells = [f"{_ms(runs[n]['compute_ms_per_step'])} "
+                 f"({_ratio_cell(runs[n]['compute_ms_per_step'] / base, 1.5)})" for n in names]
+        mib = lambda b: f"{b / 2 ** 20:.2f}"  # noqa: E731
+        planned = " / ".join(mib(runs[n]["planned_bytes"]) for n in ("fp32 none", "fp16 dynamic",
+                                                                     "bf16 none"))
+        measured = " / ".join(f"{runs[n]['peak_mib']:.1f} (+{runs[n]['added_mib']:.1f})"
+                              for n in ("fp32 none", "fp16 dynamic", "bf16 none"))
+        lines.append(f"| {row['model']} | " + " | ".join(cells) + f" | {planned} | {measured} |")
+    if report.get("memory_targets"):
+        lines += ["", "Memory targets, MobileNetV2 (α 0.35, 32×32): fp16 (dynamic loss scale) "
+                      "against fp32, planned peak and measured peak above the imports "
+                      "(whole-process RSS in brackets):", "",
+                  "| optimizer | batch | planned fp32 / fp16 MiB | planned ratio | measured + fp32 / "
+                  "fp16 MiB | measured ratio | whole RSS ratio | target |", "|---|---|---|---|---|---|---|---|"]
+        for r in report["memory_targets"]:
+            a, b = r["fp32"], r["fp16"]
+            lines.append(
+                f"| {r['optimizer']} | {r['batch']} | {a['planned_bytes'] / 2 ** 20:.2f} / "
+                f"{b['planned_bytes'] / 2 ** 20:.2f} | "
+                f"{_ratio_cell(b['planned_bytes'] / a['planned_bytes'], r['target'])} | "
+                f"{a['added_mib']:.1f} / {b['added_mib']:.1f} | "
+                f"{_ratio_cell(b['added_mib'] / a['added_mib'], r['target'])} | "
+                f"{b['peak_mib'] / a['peak_mib']:.2f} ({a['peak_mib']:.1f} / {b['peak_mib']:.1f}) | "
+                f"{r['target']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -442,11 +517,14 @@ def _check_models(ctx, param, value: str) -> list[str]:
               callback=_check_output, help="Also write the Markdown table to this file (it is always printed).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               callback=_check_output, help="Write every measurement (per-epoch times too) as JSON to this file.")
+@click.option("--precision-only", is_flag=True,
+              help="Only the mixed-precision tables (fp32/fp16/bf16 speed and memory, the "
+                   "MobileNetV2 memory targets), not the comparison with onert.")
 @click.option("--profile", is_flag=True,
               help="After the table, print a cProfile of one microtrain epoch (top 10 by "
                    "cumulative and by own time) for every row where microtrain is slower "
                    "than onert.")
-def main(models, rounds, epochs, quick, markdown_path, json_path, profile):
+def main(models, rounds, epochs, quick, markdown_path, json_path, precision_only, profile):
     rounds = rounds or (1 if quick else 5)
     epochs = epochs or (2 if quick else 3)
     start = time.perf_counter()
@@ -455,18 +533,29 @@ def main(models, rounds, epochs, quick, markdown_path, json_path, profile):
               "rows": [], "load_average": {"start": os.getloadavg()[0]}}
     with tempfile.TemporaryDirectory() as tmp:
         ws = Workspace(Path(tmp), QUICK_SAMPLES if quick else None)
-        for name in models:
+        for name in [] if precision_only else models:
             for optimizer in LEARNING_RATES:
                 row = bench_config(ws, name, optimizer, rounds, epochs)
                 click.echo(_table_row(row), err=True)
                 if profile and row.get("ratio", 0) > 1:
                     row["profile"] = profile_epoch(ws, row)
                 report["rows"].append(row)
-        report["tools"] = tool_times(Path(tmp))
-        report["precision"] = [precision_ratio(ws, name, epochs) for name in models]
+        if not precision_only:
+            report["tools"] = tool_times(Path(tmp))
+        report["precision"] = []
+        for name in models:
+            report["precision"].append(precision_row(ws, name, rounds, epochs))
+            click.echo(f"precision: {name} done", err=True)
+        if "mobilenetv2" in models:
+            report["memory_targets"] = memory_targets(ws, rounds)
     report["elapsed_s"] = time.perf_counter() - start
     report["load_average"]["end"] = os.getloadavg()[0]  # other work on the machine skews times
-    text = markdown(report) + extra_markdown(report)
+    load = report["load_average"]
+    text = (markdown(report) if report["rows"] else
+            f"Machine: {describe(report['machine'])}; 1-minute load average {load['start']:.2f} "
+            f"before the run, {load['end']:.2f} after; medians over {rounds} rounds x {epochs} "
+            "epochs per configuration after a discarded warm-up epoch, the configurations "
+            "alternating in fresh processes.\n") + extra_markdown(report)
     click.echo(text)
     for row in report["rows"]:
         if "profile" in row:

@@ -4,7 +4,7 @@
 
 It imports only the standard library, numpy and its own runtime, so its resident
 memory is that runtime's.  The protocol is one JSON object per line each way:
-  {"model", "frozen", "x", "y", "optimizer", "learning_rate", "batch", "loss"}
+  {"model", "frozen", "x", "y", "optimizer", "learning_rate", "batch", "loss"[, "loss_scale"]}
       -> {"baseline_kib", "refused"}  (the peak RSS after the imports; a refusal reason or null)
   {"epochs": n} -> {"epoch_ms": [...], "compute_ms_per_step": [...]}
   {"finish": true} -> {"peak_kib", "final_loss"}, then the worker exits.
@@ -31,10 +31,12 @@ def peak_kib() -> int:
 
 class Microtrain:
     def __init__(self, spec: dict, x: np.ndarray, y: np.ndarray):
+        from microtrain.loss_scale import make_loss_scale
         from microtrain.shuffle import Shuffler
         from microtrain.trainer import Trainer
         self.trainer = Trainer(spec["frozen"], batch_size=spec["batch"],
-                               optimizer=spec["optimizer"], learning_rate=spec["learning_rate"])
+                               optimizer=spec["optimizer"], learning_rate=spec["learning_rate"],
+                               loss_scale=make_loss_scale(spec.get("loss_scale", "none")))
         self.xs, self.ts = self.trainer.check_data([x], [y])
         self.rng = Shuffler(0)  # unused: batches in order, as onert's DataLoader
 

@@ -35,13 +35,14 @@ def test_one_kernels_temporaries_are_disjoint_and_the_next_kernel_starts_over():
     assert ws.need == 64 + 7  # b starts at the cache line after a's 60 bytes
 
 
-def test_a_workspace_too_small_gives_arrays_of_their_own_then_grows():
+def test_a_workspace_too_small_grows_by_doubling_then_to_the_need():
     ws = Workspace()
     with sharing(ws):
         begin_kernel()
         small = scratch((4,), np.float32)
         big = scratch((1000,), np.float32)
-    assert not np.shares_memory(small, ws.buffer) and not np.shares_memory(big, ws.buffer)
+    assert not np.shares_memory(small, big)  # each in the buffer of its moment
+    assert np.shares_memory(big, ws.buffer) and not np.shares_memory(small, ws.buffer)
     assert ws.grow() and ws.buffer.nbytes == 64 + 4000
     assert not ws.grow()
     assert not np.shares_memory(scratch((4,), np.float32), ws.buffer)  # none in use

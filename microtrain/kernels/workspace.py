@@ -30,14 +30,15 @@ def _aligned_bytes(size: int) -> np.ndarray:
 class Workspace:
     """One byte buffer from which each kernel's temporaries are laid out.
 
-    A kernel asking for more than the buffer holds gets arrays of its own and
-    raises `need`; `grow` then enlarges the buffer, and closures built over it
-    again share it."""
+    A kernel asking for more than the buffer holds gets a view of a larger
+    buffer and raises `need`; `grow` then sizes the buffer to the need, and
+    closures built over it again share it."""
 
     def __init__(self, size: int = 0):
         self.buffer = _aligned_bytes(size)
         self.need = 0  # the most bytes one kernel asked for
         self._offset = 0
+        self._outgrown = False  # closures since the last `grow` hold views of smaller buffers
         self.kept: dict = {}  # see `kept`
 
     def begin(self) -> None:
@@ -50,16 +51,19 @@ class Workspace:
         end = start + prod(shape) * dtype.itemsize
         self._offset = -(-end // ALIGN) * ALIGN
         self.need = max(self.need, end)
-        if end > self.buffer.size:
-            return np.empty(shape, dtype)
+        if end > self.buffer.size:  # double it: a measuring pass then holds about 2x the need
+            self.buffer = _aligned_bytes(max(end, 2 * self.buffer.size))
+            self._outgrown = True
         return self.buffer[start:end].view(dtype).reshape(shape)
 
     def grow(self) -> bool:
-        """Enlarge the buffer to the largest need seen; whether it had to (then
-        the closures built since the last growth hold arrays of their own)."""
-        if self.need <= self.buffer.size:
+        """Size the buffer to the largest need seen; whether it had to grow since the
+        last call (then the closures built since hold views of smaller buffers and
+        must be built again)."""
+        if not self._outgrown:
             return False
         self.buffer = _aligned_bytes(self.need)
+        self._outgrown = False
         return True
 
 
