@@ -244,3 +244,19 @@ def test_sign_bit_activation_is_refused_in_one_line(tmp_path):
                                         r"\(SIGN_BIT\), which has no gradient"):
         split(path, tmp_path, loss="mse")
     split(path, tmp_path, loss="mse", trainable="last:1")  # above it, training works
+
+
+def test_slices_of_a_batch_of_one_take_the_whole_batch(tmp_path):
+    """A model with a fixed batch of 1 slices [0:1] on the batch axis; split at any batch
+    size keeps every sample (STRIDED_SLICE's end and SLICE's size become "to the end")."""
+    m = GraphMaker()
+    x = m.tensor((1, 6))
+    a = m.op("FULLY_CONNECTED", [x, m.weight(8, 6), m.weight(8)], (1, 8))
+    ints = lambda *v: m.tensor((len(v),), v, np.int32)  # noqa: E731
+    b = m.op("STRIDED_SLICE", [a, ints(0, 1), ints(1, 7), ints(1, 2)], (1, 3))
+    c = m.op("SLICE", [a, ints(0, 2), ints(1, 4)], (1, 4))
+    joined = m.op("CONCATENATION", [b, c], (1, 7), axis=1)
+    out = m.op("FULLY_CONNECTED", [joined, m.weight(3, 7), m.weight(3)], (1, 3))
+    path = m.save(tmp_path / "batch_one.circle", [x], [out])
+    x_data = RNG.normal(0, 1, (5, 6)).astype(np.float32)
+    check_gradients(path, tmp_path, x_data, _targets("mse", (1, 3), 5), "mse")

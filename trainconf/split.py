@@ -80,7 +80,31 @@ def make_batch_symbolic(model, g: Graph) -> int:
         if op.type == "RESHAPE" and len(op.inputs) > 1 and g.tensors[op.inputs[1]].data is not None:
             shape = np.array(g.tensors[op.outputs[0]].shape, np.int32)
             set_constant(model, op.inputs[1], shape)
+        if op.type in ("STRIDED_SLICE", "SLICE") and g.tensors[op.inputs[0]].shape[:1] == (BATCH,):
+            _keep_whole_batch(model, g, op)
     return BATCH if BATCH in batches else 1
+
+
+def _keep_whole_batch(model, g: Graph, op) -> None:
+    """A slice that took the whole batch of 1 (begin 0, end 1 or size 1 on axis 0) takes
+    the whole batch of any size: its end on that axis becomes "to the end"."""
+    values = [g.tensors[t].data for t in op.inputs[1:]]
+    if any(v is None for v in values):
+        return
+    begin, *rest = (np.asarray(v).reshape(-1) for v in values)
+    if op.type == "SLICE":
+        if begin[0] == 0 and rest[0][0] == 1:
+            size = rest[0].copy()
+            size[0] = -1
+            set_constant(model, op.inputs[2], size)
+        return
+    o = op.options
+    end, strides = rest
+    if (o.get("ellipsis_mask", 0) | o.get("new_axis_mask", 0) | o.get("shrink_axis_mask", 0)) & 1:
+        return
+    if strides[0] == 1 and (begin[0] == 0 or o.get("begin_mask", 0) & 1) and end[0] >= 1:
+        options = model.subgraphs[0].operators[op.index].builtinOptions
+        options.beginMask, options.endMask = options.beginMask | 1, options.endMask | 1
 
 
 def fold(model, g: Graph) -> Graph:
