@@ -2,7 +2,7 @@
 
 Run from the repository root with the TensorFlow venv (never used by the tests or CI):
 
-    /work/tfenv/bin/python scripts/make_fixtures.py
+    TFENV/bin/python scripts/make_fixtures.py   # TFENV: a venv with tensorflow==2.21.*
 
 Everything is seeded and TF runs on CPU with deterministic ops, so a rerun reproduces the
 committed files. Each model is built once, converted, checked (op list, weights bit-exact in

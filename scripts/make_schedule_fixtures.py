@@ -1,7 +1,7 @@
 """Record Keras 3's learning rates for the schedules microtrain offers.
 
 Run with the TensorFlow venv (not part of CI):
-    /work/tfenv/bin/python scripts/make_schedule_fixtures.py
+    TFENV/bin/python scripts/make_schedule_fixtures.py   # TFENV: a venv with tensorflow==2.21.*
 writes tests/fixtures/keras_schedules.json: for each case, microtrain's schedule
 name, base_lr and parameters, the Keras object that defines it, and the rate
 Keras gives at each listed step.
