@@ -18,7 +18,8 @@ from trainconf.split import split
 REAL = Path(__file__).parent / "fixtures" / "real"
 MODELS = ["torch_small_cnn", "face_detection_short_range", "face_detection_full_range_sparse",
           "selfie_segmentation_landscape"]
-INSPECTED = ["torch_small_cnn", "face_detection_short_range", "selfie_segmentation_landscape"]
+INSPECTED = ["torch_small_cnn", "face_detection_short_range", "face_detection_full_range_sparse",
+             "selfie_segmentation_landscape", "hand_recrop"]
 SPECS = ["last:1", "last:2", "all"]
 SAMPLES = 2
 

@@ -65,7 +65,9 @@ def _subgraph(model, s: int, sg) -> dict:
             readers[t] = readers.get(t, 0) + 1
     constants = [_constant(model, t, tensors[t], readers.get(t, 0)) for t in range(len(tensors))
                  if _data_size(model, tensors[t])]
-    operators = [_operator(model, k, op, tensors) for k, op in enumerate(sg.operators or ())]
+    stored = _stored_constants(model, sg)
+    operators = [_operator(model, k, op, tensors, stored)
+                 for k, op in enumerate(sg.operators or ())]
     return {
         "index": s,
         "name": sg.name,
@@ -97,14 +99,27 @@ def _ref(t: int, tensors) -> dict:
     return {"index": t, "name": tensors[t].name if t >= 0 else None}
 
 
-def _training(model, op, tensors) -> str:
+def _stored_constants(model, sg) -> set[int]:
+    """Tensors that hold data, and the outputs of DEQUANTIZE/DENSIFY chains over them
+    (split folds a DENSIFY -> DEQUANTIZE chain into one float32 constant)."""
+    tensors = sg.tensors or []
+    stored = {t for t in range(len(tensors)) if _data_size(model, tensors[t])}
+    for op in sg.operators or ():
+        inputs = int_list(op.inputs)
+        if op_name(model, op) in RESOLVERS and inputs and inputs[0] in stored:
+            stored.update(int_list(op.outputs))
+    return stored
+
+
+def _training(model, op, tensors, stored: set[int]) -> str:
     """training_support, and what quantization or a stored form changes about it:
     `quantized` (it computes on quantized activations: the model cannot train),
     `quantized weights` (dynamic-range: its int8 weights are dequantized at
-    split), `folded` for a DEQUANTIZE/DENSIFY of a constant."""
+    split), `folded` for a DEQUANTIZE/DENSIFY of a constant (`stored`)."""
     name = op_name(model, op)
-    inputs = [tensors[t] for t in int_list(op.inputs) if t >= 0]
-    constant = [_data_size(model, x) > 0 for x in inputs]
+    indices = [t for t in int_list(op.inputs) if t >= 0]
+    inputs = [tensors[t] for t in indices]
+    constant = [t in stored for t in indices]
     if any(is_quantized(x) and not c for x, c in zip(inputs, constant)) or \
             any(is_quantized(tensors[t]) for t in int_list(op.outputs)):
         return "quantized"
@@ -115,7 +130,7 @@ def _training(model, op, tensors) -> str:
     return training_support(name)
 
 
-def _operator(model, k: int, op, tensors) -> dict:
+def _operator(model, k: int, op, tensors, stored: set[int]) -> dict:
     name = op_name(model, op)
     options = options_dict(op, name)
     activation = options.get("fused_activation_function")
@@ -126,7 +141,7 @@ def _operator(model, k: int, op, tensors) -> dict:
         "inputs": [_ref(t, tensors) for t in int_list(op.inputs)],
         "outputs": [_ref(t, tensors) for t in int_list(op.outputs)],
         "options": options,
-        "training": _training(model, op, tensors),
+        "training": _training(model, op, tensors, stored),
     }
 
 
