@@ -10,7 +10,7 @@ from .errors import ContractError, UserError
 from .files import read_regular
 from .format.model import get_metadata, model_from_bytes
 from .format.wof import read_wof
-from .graph import BATCH, Graph, check_dataflow, graph_of
+from .graph import BATCH, Graph, check_dataflow, graph_of, symbolic_batch
 
 try:  # CPython's own SHA-256: hashlib would load OpenSSL (~4 MB resident) just for this
     from _sha2 import sha256  # Python 3.12+
@@ -98,11 +98,12 @@ def load_artifacts(frozen, wof=None, backprop=None, with_backprop: bool = True) 
                              f"tensors {sorted(training.trainable)}: not this model's .wof")
     forward = graph_of(model)
     check_dataflow(forward, frozen, set(training.trainable))
+    first = (BATCH,) if symbolic_batch(forward) else (1,)
     for t in forward.inputs + forward.outputs:
-        if forward.tensors[t].shape[:1] != (BATCH,):
+        if forward.tensors[t].shape[:1] != first:
             raise UserError(frozen, f"model input or output {t} '{forward.tensors[t].name}' has "
                                     f"shape {list(forward.tensors[t].shape)}, without the batch "
-                                    "dimension (-1) first")
+                                    f"dimension ({first[0]}) first")
     art = Artifacts(frozen, wof, None, forward, training, weights,
                     frozen_sha256=fingerprint(frozen_bytes))
     if with_backprop:

@@ -15,7 +15,7 @@ import numpy as np
 from .arena import Arena, linear, physical_memory
 from .artifacts import Artifacts
 from .errors import OperatorError, UserError
-from .graph import BATCH, Graph, concrete_shape
+from .graph import BATCH, Graph, batched, concrete_shape
 from .kernels import KERNELS, ROW_SUMS, ROW_WISE, prepare, version_problem
 from .kernels.workspace import Workspace, begin_kernel, scratch, sharing
 from .loss_scale import LossScale
@@ -202,8 +202,8 @@ def _at_operator(e: UserError, owner) -> UserError:
 
 
 def _views(g: Graph, arrays: list, rows: int) -> list:
-    """Each batch-shaped array cut to its first `rows` rows."""
-    return [a[:rows] if t.shape and t.shape[0] == BATCH else a for t, a in zip(g.tensors, arrays)]
+    """Each batch-shaped array cut to the rows of its first `rows` samples."""
+    return [a[:-t.shape[0] * rows] if batched(t.shape) else a for t, a in zip(g.tensors, arrays)]
 
 
 class Hooks:
@@ -352,6 +352,8 @@ def _tile_rows(g: Graph, op, inputs: list, outputs: list) -> int | None:
             a is not None and reduced(a.dtype) for a in inputs + outputs):
         return None
     ts = [g.tensors[t] for t in op.inputs if t >= 0] + [g.tensors[t] for t in op.outputs]
+    if any(batched(t.shape) and t.shape[0] != BATCH for t in ts):
+        return None  # several rows a sample (a sequence's): not cut into samples
     arrays = [a for a in inputs if a is not None] + outputs
     tensors = [(t, a) for t, a in zip(ts, arrays) if t.shape[:1] == (BATCH,)]
     if op.type in ROW_SUMS and (len(outputs) != 1 or g.tensors[op.outputs[0]].shape[:1] == (BATCH,)):

@@ -1,5 +1,8 @@
 """A flat, read-only view of a circle subgraph: the form in which both tools reason
-about a model.  Shapes keep the batch dimension symbolic as -1."""
+about a model.  Shapes keep the batch dimension symbolic: a first dimension d < 0
+holds -d rows per sample (-1, BATCH: one; -16: sixteen, as a dense layer over a
+sequence of 16 reshapes [B, 16, D] to [B*16, D]).  A file stores such a tensor
+with shape_signature -1 there and its rows at batch 1 in shape."""
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,9 +48,24 @@ def _ints(values) -> tuple[int, ...]:
 
 
 def symbolic_shape(t) -> tuple[int, ...]:
-    """The tensor's shape with a dynamic dimension as -1 (shape_signature when present)."""
-    signature = _ints(t.shapeSignature)
-    return signature if signature else _ints(t.shape)
+    """The tensor's shape with a dynamic dimension as -1 (shape_signature when
+    present), a dynamic first one as minus its rows at batch 1."""
+    signature, shape = _ints(t.shapeSignature), _ints(t.shape)
+    if not signature:
+        return shape
+    if signature[0] == -1 and len(shape) == len(signature) and shape[0] > 1:
+        return (-shape[0],) + signature[1:]
+    return signature
+
+
+def batched(shape: tuple[int, ...]) -> bool:
+    """Whether a symbolic shape has the batch (in its first dimension)."""
+    return bool(shape) and shape[0] < 0
+
+
+def symbolic_batch(g: "Graph") -> bool:
+    """Whether the graph takes any batch size (else it keeps a fixed batch of 1)."""
+    return any(batched(g.tensors[t].shape) for t in g.inputs)
 
 
 def graph_of(model, subgraph: int = 0) -> Graph:
@@ -63,20 +81,19 @@ def graph_of(model, subgraph: int = 0) -> Graph:
 
 
 def concrete_shape(shape: tuple[int, ...], batch: int) -> tuple[int, ...]:
-    """Replace the symbolic batch dimension with `batch`."""
-    return tuple(batch if d == BATCH else d for d in shape)
+    """The shape at batch size `batch`."""
+    return tuple(-d * batch if d < 0 else d for d in shape)
 
 
 def check_dataflow(g: Graph, path, given: set[int]) -> None:
     """What the runtime relies on before it allocates anything: inputs and
-    outputs, dimensions >= 0 (only the first may be the symbolic batch), and
+    outputs, dimensions >= 0 (only the first may be symbolic), and
     operators that read only tensors that are given (graph inputs, constants,
     `given`) or written by an earlier operator."""
     if not g.inputs or not g.outputs:
         raise UserError(path, "the graph has no inputs or no outputs")
     for t in g.tensors:
-        dims = t.shape[1:] if t.shape and t.shape[0] == BATCH else t.shape
-        if any(d < 0 for d in dims):
+        if any(d < 0 for d in t.shape[1:]):
             raise UserError(path, f"tensor {t.index} '{t.name}' has shape {list(t.shape)}: only "
                                   "the first dimension may be -1 (the batch)")
     ready = set(g.inputs) | given | {t.index for t in g.tensors if t.data is not None}

@@ -12,6 +12,7 @@ from .artifacts import load_artifacts
 from .data import batch_indices, check_values
 from .errors import UserError
 from .executor import Hooks, Memory, Plan, check_supported, compile_plan
+from .graph import symbolic_batch
 from .format.wof import write_wof
 from .kernels.workspace import sharing
 from .loss_scale import LossScale
@@ -85,6 +86,10 @@ class Trainer:
         if batch_size < 1:
             raise UserError(None, f"--batch-size must be at least 1, got {batch_size}")
         self.batch_size = batch_size
+        # a model that keeps a fixed batch of 1 (its graph works across the batch axis,
+        # see trainconf/batch.py) runs a batch one sample at a time, adding up the
+        # samples' gradients before the update
+        self.run_rows = batch_size if symbolic_batch(self.art.forward) else 1
         self.memory = Memory(self.art, batch_size)
         # the .wof's arrays (views of the file's bytes) are copied: read the runtime's instead
         self.art.weights = dict(self.memory.param_views)
@@ -105,7 +110,8 @@ class Trainer:
         if accum_steps < 1:
             raise UserError(None, f"--accum-steps must be at least 1, got {accum_steps}")
         self.accum_steps = accum_steps
-        self._accum = np.zeros_like(self.memory.grads) if accum_steps > 1 else None
+        self._accum = np.zeros_like(self.memory.grads) \
+            if accum_steps > 1 or self.run_rows < batch_size else None
         self._snapshot = np.empty_like(self.memory.params)  # the weights at an epoch's start
         self._accum_weight, self._accum_count = 0, 0
         self.epoch = 0
@@ -154,7 +160,7 @@ class Trainer:
         """Inputs and targets as arrays that fit the model; `names` (input names, target
         names) name them in errors, e.g. their files."""
         names = names or (None, None)
-        plan = self._plan(self.batch_size)
+        plan = self._plan(self.run_rows)
         xs = self._expect(inputs, plan.inputs, "input", names[0])
         ts = [] if targets is None else self._expect(targets, plan.targets, "target", names[1])
         if ts and len(ts[0]) != len(xs[0]):
@@ -186,21 +192,38 @@ class Trainer:
             raise Diverged(loss)
         return loss
 
-    def train_step(self, plan: Plan, rows: int) -> float:
-        """Forward and backward on the batch already loaded into `plan`, then the
-        update (or, accumulating, the update once every `accum_steps` batches)."""
-        loss = self._forward_backward(plan)
-        if self._accum is None:
-            self._update(self.memory.grads)
-            return loss
-        # the gradients of a mean loss are averaged over the effective batch's rows
-        weight = rows if self.art.training.reduction == "mean" else 1
-        self._accum += self.memory.grads * np.float32(weight)
-        self._accum_weight += weight
-        self._accum_count += 1
-        if self._accum_count == self.accum_steps:
-            self.flush()
-        return loss
+    def _parts(self, idx: np.ndarray) -> list[np.ndarray]:
+        """The samples `idx` in the runs of the graph that take them."""
+        return [idx[i:i + self.run_rows] for i in range(0, len(idx), self.run_rows)]
+
+    def _weight(self, rows: int) -> int:
+        """A run's share of a batch: the gradients of a mean loss are averaged over
+        the effective batch's rows, those of a summed loss added."""
+        return rows if self.art.training.reduction == "mean" else 1
+
+    def train_batch(self, xs, ts, idx: np.ndarray) -> tuple[float, list]:
+        """Forward and backward on the samples `idx`, then the update (or,
+        accumulating, the update once every `accum_steps` batches).  Returns the
+        batch's loss and its metric's (sum, count)."""
+        loss, metric = 0.0, [0.0, 0]
+        for part in self._parts(idx):
+            plan = self._plan(len(part))
+            self._load(plan, xs, ts, part)
+            weight = self._weight(len(part))
+            loss += self._forward_backward(plan) * weight
+            if self._accum is None:
+                self._update(self.memory.grads)
+            else:
+                self._accum += self.memory.grads * np.float32(weight)
+                self._accum_weight += weight
+            value, count = self._meter(len(part))()
+            metric = [metric[0] + value, metric[1] + count]
+        if self._accum is not None:
+            self._accum_count += 1
+            if self._accum_count == self.accum_steps:
+                self.flush()
+        return loss / sum(self._weight(len(p)) for p in self._parts(idx)) \
+            if self.art.training.reduction == "mean" else loss, metric
 
     def flush(self) -> None:
         """Apply accumulated gradients (at the end of an effective batch or epoch)."""
@@ -230,13 +253,11 @@ class Trainer:
         skipped = self.scaler.skipped
         for idx in batch_indices(len(xs[0]), self.batch_size, shuffle, rng):
             rows = len(idx)
-            plan = self._plan(rows)
-            self._load(plan, xs, ts, idx)
             start = time.perf_counter()
-            loss = self.train_step(plan, rows)
+            loss, metric = self.train_batch(xs, ts, idx)
             busy += time.perf_counter() - start
             steps += 1
-            totals.add(loss, rows, self._meter(rows)())
+            totals.add(loss, rows, metric)
             if tick:
                 tick(rows)
         self.flush()
@@ -303,16 +324,27 @@ class Trainer:
         xs, ts = self.check_data(inputs, targets)
         if len(xs[0]) > self.batch_size:
             raise UserError(None, f"{len(xs[0])} samples do not fit one batch of {self.batch_size}")
-        plan = self._plan(len(xs[0]))
-        self._load(plan, xs, ts, np.arange(len(xs[0])))
-        plan.run_forward()
-        plan.run_backward()
-        return float(plan.loss[0]), {t: g.copy() for t, g in self.memory.grad_views.items()}
+        loss, grads, total = 0.0, np.zeros_like(self.memory.grads), 0
+        for part in self._parts(np.arange(len(xs[0]))):
+            plan = self._plan(len(part))
+            self._load(plan, xs, ts, part)
+            plan.run_forward()
+            plan.run_backward()
+            weight = self._weight(len(part))
+            loss += float(plan.loss[0]) * weight
+            grads += self.memory.grads * np.float32(weight)
+            total += weight
+        if self.art.training.reduction == "mean":
+            loss, grads = loss / total, grads / np.float32(total)
+        return loss, {t: grads[lo:hi].reshape(self.memory.grad_views[t].shape)
+                      for t, (lo, hi) in self.memory.offsets.items()}
 
     # -- evaluation ---------------------------------------------------------------------------
     def _batches(self, n: int):
-        for start in range(0, n, self.batch_size):
-            yield np.arange(start, min(start + self.batch_size, n))
+        """The samples of a data set, a graph run at a time."""
+        step = min(self.batch_size, self.run_rows)
+        for start in range(0, n, step):
+            yield np.arange(start, min(start + step, n))
 
     @quiet
     def evaluate(self, inputs, targets, checked: bool = False) -> dict:
@@ -334,7 +366,7 @@ class Trainer:
     def predict(self, inputs) -> list[np.ndarray]:
         xs, _ = self.check_data(inputs)
         n = len(xs[0])
-        plan = self._plan(self.batch_size)
+        plan = self._plan(self.run_rows)
         outs = [np.empty((n,) + o.shape[1:], np.float32) for o in plan.outputs]
         for idx in self._batches(n):
             plan = self._plan(len(idx))
@@ -352,7 +384,7 @@ class Trainer:
     def set_params(self, flat: np.ndarray) -> None:
         """Replace the flat fp32 master weights (e.g. from a checkpoint) and the
         working copy the graphs read."""
-        self._plan(self.batch_size)  # the fp16 working copy is rounded by the plan's closures
+        self._plan(self.run_rows)  # the fp16 working copy is rounded by the plan's closures
         self.memory.params[...] = flat
         self.memory.refresh_weights()
 

@@ -160,11 +160,9 @@ def alternate(workers: dict[str, Worker], rounds: int, epochs: int) -> dict[str,
 def folded_copy(model: Path, out: Path) -> Path:
     """The model with a symbolic batch and its shape chains folded, as trainconf splits it."""
     from microtrain.format.model import save_model
-    from trainconf.split import fold, graph_of, load_model, make_batch_symbolic
+    from trainconf.split import graph_of, load_model, make_batch_symbolic
     m = load_model(model)
-    g = graph_of(m)
-    make_batch_symbolic(m, g)
-    fold(m, g)
+    make_batch_symbolic(m, graph_of(m))
     save_model(m, out)
     return out
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from microtrain.errors import UserError
-from microtrain.graph import BATCH, Graph, Op, Tensor
+from microtrain.graph import Graph, Op, Tensor
 
 from .operators import WITH_GRADIENT, spec
 
@@ -96,7 +96,7 @@ class Builder:
         return self.emit("SumToShape", [dz], like=x)
 
     def slice(self, dz: int, begin: list[int], x: int) -> int:
-        size = [d if d != BATCH else -1 for d in self.fwd.tensors[x].shape]
+        size = [-1 if d < 0 else d for d in self.fwd.tensors[x].shape]
         return self.emit("SLICE", [dz, self.const(np.array(begin, np.int32), "begin"),
                                    self.const(np.array(size, np.int32), "size")], like=x)
 

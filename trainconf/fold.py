@@ -1,13 +1,14 @@
-"""Fold shape-computing chains into constants.
+"""Values of shape-computing operators, for folding them into constants.
 
 The TFLite converter turns a dynamic-batch Flatten into SHAPE -> STRIDED_SLICE ->
-PACK -> RESHAPE.  Those ops compute on shapes, not data, so their results are
-known at split time once the batch dimension is written as -1 (which RESHAPE
-accepts as "infer this dimension").
+PACK -> RESHAPE, and a dense layer over a sequence into SHAPE -> GATHER ->
+REDUCE_PROD -> PACK -> RESHAPE.  Those ops compute on shapes, not data, so their
+results are known at split time once the batch dimension is symbolic: a product
+with the batch's -1 in it is itself symbolic (-16: sixteen rows a sample), which
+is how trainconf/batch.py reads a folded RESHAPE target.
 """
 import numpy as np
 
-from microtrain.errors import UserError
 from microtrain.graph import Graph, Op
 from microtrain.kernels.shape import strided_index
 
@@ -29,27 +30,12 @@ def concatenation(g: Graph, op: Op, values):
     return np.concatenate([values[t] for t in op.inputs], axis=op.options.get("axis", 0))
 
 
-def fold_shape_chains(g: Graph, folds: dict) -> tuple[set[int], dict[int, np.ndarray]]:
-    """Ops to delete and the constant value of each tensor they produced that
-    a remaining op reads; `folds` maps an operator to its value function (of
-    trainconf/operators.py)."""
-    values = {t.index: t.data for t in g.tensors if t.data is not None}
-    folded: set[int] = set()
-    for op in g.ops:
-        fn = folds.get(op.type)
-        known = op.type == "SHAPE" or all(t in values for t in op.inputs if t >= 0)
-        if fn is None or not known or (op.type == "CONCATENATION" and not _ints(values, op)):
-            continue
-        try:
-            values[op.outputs[0]] = fn(g, op, values)
-        except (ValueError, IndexError, TypeError) as e:  # shapes or indices that do not fit
-            raise UserError(None, f"operator {op.index} ({op.type}) cannot be folded: {e}") \
-                from None
-        folded.add(op.index)
-    read = {t for op in g.ops if op.index not in folded for t in op.inputs}
-    produced = {t for i in folded for t in g.ops[i].outputs}
-    return folded, {t: values[t] for t in produced & read}
+def gather(g: Graph, op: Op, values):
+    params, indices = values[op.inputs[0]], values[op.inputs[1]]
+    return np.take(params, indices, axis=op.options.get("axis", 0))
 
 
-def _ints(values, op: Op) -> bool:
-    return all(np.issubdtype(values[t].dtype, np.integer) for t in op.inputs)
+def reduce_prod(g: Graph, op: Op, values):
+    axis = tuple(int(a) for a in np.atleast_1d(values[op.inputs[1]]))
+    x = values[op.inputs[0]]
+    return np.prod(x, axis=axis, keepdims=bool(op.options.get("keep_dims"))).astype(x.dtype)

@@ -10,7 +10,6 @@ math of each operator is in schemas/backprop.md and microtrain/kernels.
 import numpy as np
 
 from microtrain.errors import UserError
-from microtrain.graph import BATCH
 
 # Fused activation codes (circle ActivationFunctionType) as ActivationGrad names.
 FUSED_NAMES = {1: "relu", 2: "relu_n1_to_1", 3: "relu6", 4: "tanh"}
@@ -209,7 +208,7 @@ def split(b, op, dy, needs):
     x, axis = (op.inputs[1], op.inputs[0]) if op.type == "SPLIT" else (op.inputs[0], op.inputs[2])
     axis = int(np.asarray(b.constant_of(axis)).reshape(-1)[0])
     sizes = [b.fwd.tensors[t].shape[axis] for t in op.outputs]
-    if BATCH in sizes:
+    if any(s < 0 for s in sizes):
         raise UserError(None, f"operator {op.index} ({op.type}) splits the batch axis")
     dx = b.emit("SplitGrad", [-1 if d is None else d for d in dys], like=x, axis=axis, sizes=sizes)
     return [None, dx] if op.type == "SPLIT" else [dx, None, None]

@@ -26,7 +26,7 @@ from microtrain.contracts import GraphLinks, MemoryPlan
 from microtrain.executor import Hooks, Memory, _trained_spans, compile_plan, precision
 from microtrain.precision import dtype_of, reduced
 from microtrain.precision import storage as runtime_dtype
-from microtrain.graph import BATCH, Graph, concrete_shape
+from microtrain.graph import Graph, batched, concrete_shape
 from microtrain.kernels.workspace import sharing
 from microtrain.loss_scale import LossScale
 from microtrain.metrics import METRICS, default_metric
@@ -56,11 +56,10 @@ def _aligned(n: int) -> int:
 def _runtime_size(t) -> tuple[int, bool] | None:
     """(bytes, per sample?) the runtime allocates for t; None when the size is
     not linear in the batch size (the tensor then keeps an array of its own)."""
-    batch_axes = [i for i, d in enumerate(t.shape) if d == BATCH]
-    if batch_axes not in ([], [0]):
+    if any(d < 0 for d in t.shape[1:]):
         return None
-    elements = prod(d for d in t.shape if d != BATCH)
-    return _aligned(elements * runtime_dtype(t.dtype).itemsize), bool(batch_axes)
+    elements = prod(abs(d) for d in t.shape)
+    return _aligned(elements * runtime_dtype(t.dtype).itemsize), batched(t.shape)
 
 
 class _Steps:

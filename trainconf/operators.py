@@ -117,7 +117,7 @@ _ENTRIES = [
     Operator("SLICE", gradients.slice_, options="SliceOptions"),
     Operator("SPLIT", gradients.split, options="SplitOptions"),
     Operator("SPLIT_V", gradients.split, options="SplitVOptions"),
-    Operator("GATHER", gradients.gather, options="GatherOptions"),
+    Operator("GATHER", gradients.gather, fold=fold.gather, options="GatherOptions"),
     Operator("RESIZE_BILINEAR", gradients.resize_bilinear, options="ResizeBilinearOptions"),
     Operator("RESIZE_NEAREST_NEIGHBOR", gradients.resize_nearest_neighbor,
              options="ResizeNearestNeighborOptions"),
@@ -134,6 +134,7 @@ _ENTRIES = [
     # shape computations, folded into constants at split
     Operator("SHAPE", fold=fold.shape, options="ShapeOptions"),
     Operator("PACK", fold=fold.pack, options="PackOptions"),
+    Operator("REDUCE_PROD", fold=fold.reduce_prod, options="ReducerOptions"),
 ]
 
 OPERATORS: dict[str, Operator] = {op.name: op for op in _ENTRIES}

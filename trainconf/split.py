@@ -13,7 +13,7 @@ from microtrain.files import check_output
 from microtrain.format.model import (buffer_array, load_model, model_to_bytes, remove_metadata,
                                      set_metadata)
 from microtrain.format.wof import wof_to_bytes
-from microtrain.graph import BATCH, Graph, check_dataflow, graph_of
+from microtrain.graph import BATCH, Graph, batched, check_dataflow, graph_of
 from microtrain.optimizers import make_optimizer
 from microtrain.parameters import Resolved, resolve
 from microtrain.precision import TYPES, dtype_of
@@ -22,7 +22,7 @@ from .backprop import LOGITS_OF, LOSSES, REDUCTIONS, Backprop, Builder, build_ba
 from .budget import fit_budget, parse_size
 from .circle_plus import METADATA as CIRCLE_PLUS, read_circle_plus
 from .constants import resolve_constants, untie_weights
-from .fold import fold_shape_chains
+from .batch import FixedBatch, infer_batch
 from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .operators import FOLDS, ROW_GRADS
 from .select import select_trainable
@@ -59,65 +59,64 @@ def activations(g: Graph) -> set[int]:
     return {t for t in computed if np.issubdtype(g.tensors[t].dtype, np.floating)}
 
 
-def make_batch_symbolic(model, g: Graph) -> int:
-    """Write the batch dimension of every activation as -1, so the artifacts train at
-    any batch size.  Models with a fixed batch above 1 are refused.  Returns the
-    model's own batch: -1 when an input's batch is dynamic, else 1 (export restores it)."""
-    sg = model.subgraphs[0]
+def make_batch_symbolic(model, g: Graph) -> tuple[Graph, int]:
+    """Give the model a symbolic batch (trainconf/batch.py) where its graph allows,
+    so the artifacts train at any batch size, and fold its shape computations.
+    Models with a fixed batch above 1 are refused.  Returns the graph of the
+    folded model and the model's own batch: -1 when an input's batch is dynamic,
+    else 1 (export restores it)."""
+    file_shapes = [t.shape for t in g.tensors]
     batches = {g.tensors[i].shape[0] for i in g.inputs if g.tensors[i].shape}
     for i in g.inputs:
         if g.tensors[i].shape and g.tensors[i].shape[0] not in (1, BATCH):
             raise UserError(None, f"input {g.tensors[i].name!r} has a fixed batch of "
                                   f"{g.tensors[i].shape[0]}; only models with a dynamic batch "
                                   "or a batch of 1 can be split")
-    for i in activations(g):
-        t = g.tensors[i]
-        if t.shape:
-            t.shape = (BATCH,) + t.shape[1:]
-            sg.tensors[i].shapeSignature = list(t.shape)
-            sg.tensors[i].shape = [1] + list(t.shape[1:])
+    try:
+        walk = infer_batch(g, FOLDS)
+    except FixedBatch as e:
+        if BATCH in batches:
+            raise UserError(None, f"{e}, which a model with a dynamic batch cannot do here") \
+                from None
+        for t, shape in zip(g.tensors, file_shapes):  # the model keeps its batch of 1
+            t.shape = shape
+        walk = infer_batch(g, FOLDS, symbolic=False)
+    _write_shapes(model, g)
+    for t, value in walk.constants(g).items():
+        set_constant(model, t, value)
+    sg = model.subgraphs[0]
+    sg.operators = [op for i, op in enumerate(sg.operators) if i not in walk.folded]
+    return graph_of(model), BATCH if BATCH in batches else 1
+
+
+def _write_shapes(model, g: Graph) -> None:
+    """Store the symbolic shapes in the model: -1 in the signature, the rows at batch
+    1 in the shape; RESHAPE's target and whole-batch slices follow."""
+    sg = model.subgraphs[0]
+    for t in g.tensors:
+        if batched(t.shape):
+            sg.tensors[t.index].shapeSignature = [-1] + list(t.shape[1:])
+            sg.tensors[t.index].shape = [-t.shape[0]] + list(t.shape[1:])
     for op in g.ops:
+        if not batched(g.tensors[op.inputs[0]].shape if op.inputs[0] >= 0 else ()):
+            continue
         if op.type == "RESHAPE" and len(op.inputs) > 1 and g.tensors[op.inputs[1]].data is not None:
-            shape = np.array(g.tensors[op.outputs[0]].shape, np.int32)
-            set_constant(model, op.inputs[1], shape)
-        if op.type in ("STRIDED_SLICE", "SLICE") and g.tensors[op.inputs[0]].shape[:1] == (BATCH,):
+            set_constant(model, op.inputs[1], np.array((-1,) + g.tensors[op.outputs[0]].shape[1:],
+                                                       np.int32))
+        if op.type in ("STRIDED_SLICE", "SLICE"):
             _keep_whole_batch(model, g, op)
-    return BATCH if BATCH in batches else 1
 
 
 def _keep_whole_batch(model, g: Graph, op) -> None:
-    """A slice that took the whole batch of 1 (begin 0, end 1 or size 1 on axis 0) takes
-    the whole batch of any size: its end on that axis becomes "to the end"."""
-    values = [g.tensors[t].data for t in op.inputs[1:]]
-    if any(v is None for v in values):
-        return
-    begin, *rest = (np.asarray(v).reshape(-1) for v in values)
+    """A slice that took every row of the batch at batch 1 (trainconf/batch.py checked
+    it does) takes them at any batch size: its end on that axis becomes "to the end"."""
     if op.type == "SLICE":
-        if begin[0] == 0 and rest[0][0] == 1:
-            size = rest[0].copy()
-            size[0] = -1
-            set_constant(model, op.inputs[2], size)
+        size = np.asarray(g.tensors[op.inputs[2]].data).reshape(-1).copy()
+        size[0] = -1
+        set_constant(model, op.inputs[2], size)
         return
-    o = op.options
-    end, strides = rest
-    if (o.get("ellipsis_mask", 0) | o.get("new_axis_mask", 0) | o.get("shrink_axis_mask", 0)) & 1:
-        return
-    if strides[0] == 1 and (begin[0] == 0 or o.get("begin_mask", 0) & 1) and end[0] >= 1:
-        options = model.subgraphs[0].operators[op.index].builtinOptions
-        options.beginMask, options.endMask = options.beginMask | 1, options.endMask | 1
-
-
-def fold(model, g: Graph) -> Graph:
-    """Fold shape chains in the model; returns the graph of the folded model."""
-    folded, constants = fold_shape_chains(g, FOLDS)
-    for t, value in constants.items():
-        set_constant(model, t, value)
-    sg = model.subgraphs[0]
-    sg.operators = [op for i, op in enumerate(sg.operators) if i not in folded]
-    folded_graph = graph_of(model)
-    for t in activations(folded_graph):  # keep the symbolic batch made above
-        folded_graph.tensors[t].shape = g.tensors[t].shape
-    return folded_graph
+    options = model.subgraphs[0].operators[op.index].builtinOptions
+    options.beginMask, options.endMask = options.beginMask | 1, options.endMask | 1
 
 
 PRECISIONS = TYPES  # fp32, fp16, bf16 (ml_dtypes' bfloat16, imported when used)
@@ -279,10 +278,8 @@ def load_prepared(model_path: Path, types: dict):
     model = load_model(model_path)
     resolve_constants(model)
     untie_weights(model)
-    g = graph_of(model)
+    g, batch = make_batch_symbolic(model, graph_of(model))
     check_dataflow(g, model_path, set())
-    batch = make_batch_symbolic(model, g)
-    g = fold(model, g)
     set_activation_dtype(model, g, dtype_of(types.activations))
     return model, g, batch
 
@@ -341,7 +338,7 @@ def slice_rows(bp: Backprop, g: Graph, rows: dict, grad_dtype) -> None:
         (lo, hi), dz = rows[w], op.inputs[0]
         shape = b.shape_of(dz)
         begin = np.array([0] * (len(shape) - 1) + [lo], np.int32)
-        size = np.array([-1 if d == BATCH else d for d in shape[:-1]] + [hi - lo], np.int32)
+        size = np.array([-1 if d < 0 else d for d in shape[:-1]] + [hi - lo], np.int32)
         (part,) = b.emit_many("SLICE", [dz, b.const(begin, "begin"), b.const(size, "size")],
                               [shape[:-1] + (hi - lo,)], [f"{b.tensors[dz].name}/rows"])
         b.ops.insert(b.ops.index(op), b.ops.pop())

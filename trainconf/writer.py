@@ -5,7 +5,7 @@ from microtrain.errors import UserError
 from microtrain.format import circle_generated as circle
 from microtrain.format.model import (add_operator_code, set_builtin_options, set_custom_options,
                                     set_metadata)
-from microtrain.graph import BATCH, Graph
+from microtrain.graph import Graph, batched
 
 from .operators import spec
 
@@ -56,8 +56,8 @@ def _tensor(model, t) -> "circle.TensorT":
     out = circle.TensorT()
     out.name = t.name
     out.type = tensor_type(t.dtype)
-    out.shape = [1 if d == BATCH else d for d in t.shape]
-    out.shapeSignature = list(t.shape) if BATCH in t.shape else None
+    out.shape = [-d if d < 0 else d for d in t.shape]
+    out.shapeSignature = [-1 if d < 0 else d for d in t.shape] if batched(t.shape) else None
     out.buffer = 0 if t.data is None else _buffer(model, t.data)
     return out
 
