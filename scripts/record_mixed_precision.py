@@ -7,6 +7,11 @@ to leave every number bit-identical (tests/test_mixed_precision_record.py).
 Each scenario trains from the split fixtures and records the per-epoch losses
 (JSON keeps a float's exact value) and the SHA-256 of the final fp32 master
 weights, plus, for the shrunk regression net, the first batch's gradients.
+
+The numbers depend on the BLAS kernels numpy's OpenBLAS picks for the processor
+(their summation order), so the record keeps one entry per kernel set
+(threadpoolctl's `architecture`, e.g. Haswell or SkylakeX) and the script
+writes the entry of the machine it runs on, keeping the others.
 """
 import hashlib
 import json
@@ -101,6 +106,13 @@ def scenarios() -> dict:
     return runs
 
 
+def blas_kernels() -> str:
+    """The kernel set of the OpenBLAS numpy calls (threadpoolctl's architecture)."""
+    from threadpoolctl import threadpool_info
+    return next((i.get("architecture") or "unknown" for i in threadpool_info()
+                 if i["user_api"] == "blas"), "none")
+
+
 def run(name: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         return scenarios()[name](Path(tmp))
@@ -112,8 +124,11 @@ def run(name: str) -> dict:
 def main(output: str):
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         record = {name: run(name) for name in scenarios()}
-    Path(output).write_text(json.dumps(record, indent=1) + "\n")
-    click.echo(f"{len(record)} scenarios written to {output}")
+    path = Path(output)
+    records = json.loads(path.read_text()) if path.exists() else {}
+    records[blas_kernels()] = record
+    path.write_text(json.dumps(records, indent=1) + "\n")
+    click.echo(f"{len(record)} scenarios for BLAS kernels {blas_kernels()} written to {output}")
 
 
 if __name__ == "__main__":
