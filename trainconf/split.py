@@ -81,17 +81,18 @@ def make_batch_symbolic(model, g: Graph) -> tuple[Graph, int]:
         for t, shape in zip(g.tensors, file_shapes):  # the model keeps its batch of 1
             t.shape = shape
         walk = infer_batch(g, FOLDS, symbolic=False)
-    _write_shapes(model, g)
     for t, value in walk.constants(g).items():
         set_constant(model, t, value)
+    _write_shapes(model, g, walk.values)
     sg = model.subgraphs[0]
     sg.operators = [op for i, op in enumerate(sg.operators) if i not in walk.folded]
     return graph_of(model), BATCH if BATCH in batches else 1
 
 
-def _write_shapes(model, g: Graph) -> None:
+def _write_shapes(model, g: Graph, values: dict) -> None:
     """Store the symbolic shapes in the model: -1 in the signature, the rows at batch
-    1 in the shape; RESHAPE's target and whole-batch slices follow."""
+    1 in the shape; RESHAPE's target (`values`: the constants, folded ones included)
+    and whole-batch slices follow."""
     sg = model.subgraphs[0]
     for t in g.tensors:
         if batched(t.shape):
@@ -100,18 +101,18 @@ def _write_shapes(model, g: Graph) -> None:
     for op in g.ops:
         if not batched(g.tensors[op.inputs[0]].shape if op.inputs[0] >= 0 else ()):
             continue
-        if op.type == "RESHAPE" and len(op.inputs) > 1 and g.tensors[op.inputs[1]].data is not None:
+        if op.type == "RESHAPE" and len(op.inputs) > 1 and op.inputs[1] in values:
             set_constant(model, op.inputs[1], np.array((-1,) + g.tensors[op.outputs[0]].shape[1:],
                                                        np.int32))
         if op.type in ("STRIDED_SLICE", "SLICE"):
-            _keep_whole_batch(model, g, op)
+            _keep_whole_batch(model, op, values)
 
 
-def _keep_whole_batch(model, g: Graph, op) -> None:
+def _keep_whole_batch(model, op, values: dict) -> None:
     """A slice that took every row of the batch at batch 1 (trainconf/batch.py checked
     it does) takes them at any batch size: its end on that axis becomes "to the end"."""
     if op.type == "SLICE":
-        size = np.asarray(g.tensors[op.inputs[2]].data).reshape(-1).copy()
+        size = np.asarray(values[op.inputs[2]]).reshape(-1).copy()
         size[0] = -1
         set_constant(model, op.inputs[2], size)
         return
