@@ -137,3 +137,22 @@ def test_a_dynamic_batch_moved_off_the_first_axis_is_refused_in_one_line(tmp_pat
     with pytest.raises(UserError, match=r"operator 0 \(TRANSPOSE\) moves the batch axis, which "
                                         "a model with a dynamic batch cannot do here"):
         split(path, tmp_path)
+
+
+def test_a_sequence_reshape_exports_to_litert_at_batch_1(tmp_path):
+    from ai_edge_litert.interpreter import Interpreter
+    from trainconf.export import export
+
+    m = GraphMaker()
+    x = m.tensor((1, T, D))
+    path = m.save(tmp_path / "batch1.circle", [x], [_dense_over_sequence(m, x, [T, D])])
+    result = split(path, tmp_path, loss="sparse_cce")
+    exported = export(result.frozen, output=tmp_path / "out.tflite").path
+    xs, _ = data(1)
+    interpreter = Interpreter(model_path=str(exported))
+    interpreter.allocate_tensors()
+    interpreter.set_tensor(interpreter.get_input_details()[0]["index"], xs)
+    interpreter.invoke()
+    got = interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
+    want = Trainer(result.frozen, batch_size=1).predict([xs])[0]
+    assert np.abs(got - want).max() < 1e-6

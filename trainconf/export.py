@@ -108,11 +108,11 @@ def restore_activations(model, batch: int) -> None:
             tensor.shapeSignature = None
     if batch == BATCH:
         return
-    for op in g.ops:  # the split wrote RESHAPE's batch as -1
+    for op in g.ops:  # the split wrote RESHAPE's batch as -1: its rows at batch 1 again
         if op.type == "RESHAPE" and len(op.inputs) > 1 and g.tensors[op.inputs[1]].data is not None:
             shape = np.array(g.tensors[op.inputs[1]].data, np.int32)
             if shape.size and shape[0] == BATCH:
-                shape[0] = batch
+                shape[0] = sg.tensors[op.outputs[0]].shape[0]
                 set_constant(model, op.inputs[1], shape)
 
 
