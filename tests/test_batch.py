@@ -22,7 +22,7 @@ def _dense_over_sequence(m: GraphMaker, x: int, flat_shape) -> int:
     (the converter's Tensordot), then a mean over time and a softmax head."""
     flat = m.op("RESHAPE", [x, m.tensor((2,), flat_shape, INT)], (-1, D))
     dense = m.op("FULLY_CONNECTED", [flat, m.weight(U, D), m.weight(U)], (-1, U),
-                 fused_activation_function=4)
+                 fused_activation_function=1)
     seq = m.op("RESHAPE", [dense, m.tensor((3,), [-1, T, U], INT)], (-1, T, U))
     pooled = m.op("MEAN", [seq, m.tensor((1,), [1], INT)], (-1, U))
     logits = m.op("FULLY_CONNECTED", [pooled, m.weight(CLASSES, U), m.weight(CLASSES)],
@@ -48,7 +48,7 @@ def dynamic_tensordot(m: GraphMaker):
     target = int_op(m, "PACK", [rows, last], (2,), axis=0, values_count=2)
     flat = m.op("RESHAPE", [x, target], (-1, -1))
     dense = m.op("FULLY_CONNECTED", [flat, m.weight(U, D), m.weight(U)], (-1, U),
-                 fused_activation_function=4)
+                 fused_activation_function=1)
     seq = m.op("RESHAPE", [dense, m.tensor((3,), [-1, T, U], INT)], (-1, T, U))
     pooled = m.op("MEAN", [seq, m.tensor((1,), [1], INT)], (-1, U))
     logits = m.op("FULLY_CONNECTED", [pooled, m.weight(CLASSES, U), m.weight(CLASSES)],
