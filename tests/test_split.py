@@ -118,13 +118,13 @@ def test_unsupported_operator_on_the_gradient_path(tmp_path):
     from microtrain.format.model import add_operator_code
     tanh = next(op for op in model.subgraphs[0].operators
                 if model.operatorCodes[op.opcodeIndex].builtinCode == 28)  # TANH
-    # NEG runs forward (backprop graphs use it) but has no gradient rule
-    tanh.opcodeIndex = add_operator_code(model, "NEG")
-    save_model(model, tmp_path / "neg.circle")
-    result = _run("split", tmp_path / "neg.circle", "-o", tmp_path / "out")
+    # ADD_N (of one input here) runs forward (backprop graphs use it) but has no gradient rule
+    tanh.opcodeIndex = add_operator_code(model, "ADD_N")
+    save_model(model, tmp_path / "add_n.circle")
+    result = _run("split", tmp_path / "add_n.circle", "-o", tmp_path / "out")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     line = result.stderr.strip()
-    assert line.startswith("Error: ") and "(NEG)" in line and "operator 1" in line
+    assert line.startswith("Error: ") and "(ADD_N)" in line and "operator 1" in line
     assert "supported: " in line and "FULLY_CONNECTED" in line
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 

@@ -73,8 +73,8 @@ class GraphMaker:
     def weight(self, *shape) -> int:
         return self.tensor(shape, RNG.normal(0, 0.5, shape))
 
-    def op(self, type_, inputs, shape, **options) -> int:
-        out = self.tensor(shape)
+    def op(self, type_, inputs, shape, dtype=np.float32, **options) -> int:
+        out = self.tensor(shape, dtype=dtype)
         self.ops.append(Op(len(self.ops), type_, list(inputs), [out], options))
         return out
 
@@ -228,6 +228,70 @@ def landmarks(m: GraphMaker):
     return [x], [m.op("FULLY_CONNECTED", [d, m.weight(3, 8), m.weight(3)], (-1, 3))], (6,), "mse"
 
 
+def sequence_ops(m: GraphMaker):
+    """Masks and ids off the gradient path (LESS, LOGICAL_AND, ARG_MAX, ONE_HOT, CAST to
+    int and back), SELECT_V2 with a broadcast branch, SELECT by a rank-1 condition, NEG,
+    CAST float to float, REVERSE_V2, CUMSUM (exclusive, reverse), TILE, BROADCAST_TO,
+    REDUCE_PROD."""
+    def ints(*v):
+        return m.tensor((len(v),), v, np.int32)
+    x = m.tensor((-1, 6))
+    a = m.op("FULLY_CONNECTED", [x, m.weight(6, 6), m.weight(6)], (-1, 6))
+    low = m.op("LESS", [a, m.tensor((1,), [0.2])], (-1, 6), dtype=np.bool_)
+    both = m.op("LOGICAL_AND", [low, m.op("GREATER", [x, m.tensor((1,), [-1.0])], (-1, 6),
+                                          dtype=np.bool_)], (-1, 6), dtype=np.bool_)
+    row_sum = m.op("SUM", [a, ints(1)], (-1,), keep_dims=False)
+    column = m.op("NEG", [m.op("RESHAPE", [row_sum, ints(-1, 1)], (-1, 1))], (-1, 1))
+    b = m.op("SELECT_V2", [both, a, column], (-1, 6))
+    rows = m.op("LESS", [row_sum, m.tensor((), 0.0)], (-1,), dtype=np.bool_)
+    c = m.op("SELECT", [rows, b, m.op("TANH", [a], (-1, 6))], (-1, 6))
+    hot = m.op("ONE_HOT", [m.op("ARG_MAX", [a, ints(1)], (-1,), dtype=np.int32, output_type=2),
+                           m.tensor((), 6, np.int32), m.tensor((), 1.5), m.tensor((), 0.5)],
+               (-1, 6), axis=-1)
+    rounded = m.op("CAST", [m.op("CAST", [a], (-1, 6), dtype=np.int32)], (-1, 6))
+    d = m.op("MUL", [m.op("ADD", [c, rounded], (-1, 6)), hot], (-1, 6))
+    e = m.op("CUMSUM", [m.op("REVERSE_V2", [m.op("CAST", [d], (-1, 6)), ints(1)], (-1, 6)),
+                        m.tensor((), 1, np.int32)], (-1, 6), exclusive=True, reverse=True)
+    f = m.op("TILE", [m.op("RESHAPE", [e, ints(-1, 2, 3)], (-1, 2, 3)), ints(1, 2, 1)],
+             (-1, 4, 3))
+    g = m.op("BROADCAST_TO", [m.op("RESHAPE", [a, ints(-1, 1, 6)], (-1, 1, 6)), ints(-1, 2, 6)],
+             (-1, 2, 6))
+    h = m.op("REDUCE_PROD", [m.op("RESHAPE", [g, ints(-1, 4, 3)], (-1, 4, 3)), ints(1)],
+             (-1, 3), keep_dims=False)
+    joined = m.op("CONCATENATION", [m.op("RESHAPE", [f, ints(-1, 12)], (-1, 12)), h], (-1, 15),
+                  axis=1)
+    return [x], [m.op("FULLY_CONNECTED", [joined, m.weight(3, 15), m.weight(3)], (-1, 3))], \
+        (6,), "mse"
+
+
+def attention(m: GraphMaker):
+    """Two-head self-attention, every BATCH_MATMUL operand an activation: Q·Kᵀ (adj_y),
+    scores·V, and Q times a per-sample matrix shared by the heads (batch broadcast)
+    and by a weight matrix of no batch."""
+    def ints(*v):
+        return m.tensor((len(v),), v, np.int32)
+    x = m.tensor((-1, 4, 8))
+
+    def heads(t):
+        split = m.op("RESHAPE", [t, ints(-1, 4, 2, 4)], (-1, 4, 2, 4))
+        return m.op("TRANSPOSE", [split, ints(0, 2, 1, 3)], (-1, 2, 4, 4))
+    q, k, v = (heads(m.op("FULLY_CONNECTED", [x, m.weight(8, 8), m.weight(8)], (-1, 4, 8),
+                          keep_num_dims=True)) for _ in range(3))
+    scores = m.op("BATCH_MATMUL", [q, k], (-1, 2, 4, 4), adj_y=True)
+    weights = m.op("SOFTMAX", [m.op("MUL", [scores, m.tensor((1,), [0.5])], (-1, 2, 4, 4))],
+                   (-1, 2, 4, 4))
+    mixed = m.op("BATCH_MATMUL", [weights, v], (-1, 2, 4, 4))
+    shared = m.op("RESHAPE", [m.op("FULLY_CONNECTED", [x, m.weight(4, 8)], (-1, 4, 4),
+                                   keep_num_dims=True), ints(-1, 1, 4, 4)], (-1, 1, 4, 4))
+    turned = m.op("BATCH_MATMUL", [q, shared], (-1, 2, 4, 4), adj_x=True)
+    moved = m.op("BATCH_MATMUL", [m.op("ADD", [mixed, turned], (-1, 2, 4, 4)), m.weight(4, 4)],
+                 (-1, 2, 4, 4), adj_y=True)
+    back = m.op("TRANSPOSE", [moved, ints(0, 2, 1, 3)], (-1, 4, 2, 4))
+    flat = m.op("RESHAPE", [back, ints(-1, 32)], (-1, 32))
+    out = m.op("FULLY_CONNECTED", [flat, m.weight(3, 32), m.weight(3)], (-1, 3))
+    return [x], [m.op("SOFTMAX", [out], (-1, 3))], (4, 8), "cce"
+
+
 def _targets(loss: str, out_shape, n: int) -> np.ndarray:
     if loss == "cce":
         return np.eye(out_shape[-1], dtype=np.float32)[RNG.integers(0, out_shape[-1], n)]
@@ -237,7 +301,8 @@ def _targets(loss: str, out_shape, n: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("build", [conv_block, elementwise, shape_ops, logistic_head,
-                                   mobile_activations, layout_ops, upsampling, landmarks])
+                                   mobile_activations, layout_ops, upsampling, landmarks,
+                                   sequence_ops, attention])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_rule_gradients_match_torch(build, reduction, tmp_path):
     m = GraphMaker()

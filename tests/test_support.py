@@ -75,13 +75,13 @@ def test_command_line_prints_one_error_line(tmp_path):
 
 
 def test_an_op_without_gradient_below_the_trained_layers_is_fine(tmp_path):
-    """NEG has a forward kernel but no gradient rule: above it, training works."""
+    """ADD_N has a forward kernel but no gradient rule: above it, training works."""
     model = load_model(FIXTURES / "regression.tflite")
     tanh = next(op for op in model.subgraphs[0].operators if op_name(model, op) == "TANH")
-    tanh.opcodeIndex = add_operator_code(model, "NEG")
-    save_model(model, tmp_path / "neg.circle")
-    files = split(tmp_path / "neg.circle", tmp_path / "out", trainable="last:1")
+    tanh.opcodeIndex = add_operator_code(model, "ADD_N")  # of one input
+    save_model(model, tmp_path / "add_n.circle")
+    files = split(tmp_path / "add_n.circle", tmp_path / "out", trainable="last:1")
     assert files.frozen.exists() and len(files.trainable) == 2
-    with pytest.raises(Exception, match=r"operator 1 \(NEG\) is on the gradient path but has "
+    with pytest.raises(Exception, match=r"operator 1 \(ADD_N\) is on the gradient path but has "
                                         "no gradient rule"):
-        split(tmp_path / "neg.circle", tmp_path / "out2", trainable="all")
+        split(tmp_path / "add_n.circle", tmp_path / "out2", trainable="all")

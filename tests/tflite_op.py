@@ -9,16 +9,20 @@ from microtrain.graph import Graph, Op, Tensor
 from trainconf.writer import graph_to_model
 
 
-def tflite_run(op_type: str, inputs: list, out_shapes: list, constant=(), **options) -> list:
-    """The outputs of `op_type` on `inputs` (float32 or int32 arrays); the inputs at the
-    positions in `constant` are stored in the model as constant tensors."""
+def tflite_run(op_type: str, inputs: list, out_shapes: list, constant=(), out_dtypes=None,
+               version=1, **options) -> list:
+    """The outputs of `op_type` on `inputs` (float32, int32, int64 or bool arrays); the
+    inputs at the positions in `constant` are stored in the model as constant tensors;
+    the outputs are float32 unless `out_dtypes` gives their types.  `version` is the
+    operator code's version (LiteRT registers some operators from a later one)."""
     tensors = [Tensor(i, f"in{i}", a.shape, a.dtype, a if i in constant else None)
                for i, a in enumerate(inputs)]
     outs = [len(tensors) + k for k in range(len(out_shapes))]
-    tensors += [Tensor(t, f"out{t}", tuple(s), np.dtype(np.float32), None)
-                for t, s in zip(outs, out_shapes)]
+    out_dtypes = out_dtypes or [np.float32] * len(out_shapes)
+    tensors += [Tensor(t, f"out{t}", tuple(s), np.dtype(d), None)
+                for t, s, d in zip(outs, out_shapes, out_dtypes)]
     feeds = [i for i in range(len(inputs)) if i not in constant]
-    g = Graph(tensors, [Op(0, op_type, list(range(len(inputs))), outs, options)], feeds, outs)
+    g = Graph(tensors, [Op(0, op_type, list(range(len(inputs))), outs, options, version)], feeds, outs)
     interpreter = Interpreter(model_content=model_to_bytes(graph_to_model(g, "op", {}), b"TFL3"))
     interpreter.allocate_tensors()
     for d, i in zip(interpreter.get_input_details(), feeds):

@@ -118,6 +118,11 @@ def transpose_conv(x, w, b, size, o):
     return y.permute(0, 2, 3, 1) + (0 if b is None else b)
 
 
+def _operand(value, t: int, g: Graph):
+    """A computed value, or a constant of any type read from the graph."""
+    return torch.tensor(g.tensors[t].data) if value is None else value
+
+
 def run_op(op, v, g: Graph):
     x = [v.get(i) for i in op.inputs]  # integer constants are read from the graph
     o = op.options
@@ -193,6 +198,47 @@ def run_op(op, v, g: Graph):
         a = x[0].transpose(-1, -2) if o.get("adj_x") else x[0]
         b = x[1].transpose(-1, -2) if o.get("adj_y") else x[1]
         return a @ b
+    compare = {"LESS": torch.lt, "LESS_EQUAL": torch.le, "GREATER": torch.gt,
+               "GREATER_EQUAL": torch.ge, "EQUAL": torch.eq, "NOT_EQUAL": torch.ne,
+               "LOGICAL_AND": torch.logical_and, "LOGICAL_OR": torch.logical_or}
+    if t in compare:
+        return compare[t](*(_operand(x[i], op.inputs[i], g) for i in (0, 1)))
+    if t in ("SELECT", "SELECT_V2"):
+        cond = x[0]
+        if t == "SELECT" and cond.dim() == 1:
+            cond = cond.reshape(-1, *[1] * (x[1].dim() - 1))
+        return torch.where(cond, x[1], x[2])
+    if t == "NEG":
+        return -x[0]
+    if t == "CAST":  # float to float keeps float64 here; to ints and back is constant
+        dtype = g.tensors[op.outputs[0]].dtype
+        return x[0] if np.issubdtype(dtype, np.floating) else \
+            x[0].to(torch.bool if dtype == np.bool_ else torch.int64)
+    if t == "REVERSE_V2":
+        return torch.flip(x[0], [int(a) for a in g.tensors[op.inputs[1]].data.reshape(-1)])
+    if t == "BROADCAST_TO":
+        batch = x[0].shape[0]  # a symbolic batch in the shape is x's own
+        return x[0].broadcast_to([batch if d == -1 else d for d in g.tensors[op.outputs[0]].shape])
+    if t == "TILE":
+        return x[0].repeat(*[int(m) for m in g.tensors[op.inputs[1]].data.reshape(-1)])
+    if t == "REDUCE_PROD":
+        y = x[0]
+        for a in sorted((int(a) % y.dim() for a in np.atleast_1d(g.tensors[op.inputs[1]].data)),
+                        reverse=True):
+            y = y.prod(dim=a, keepdim=bool(o.get("keep_dims")))
+        return y
+    if t == "CUMSUM":
+        axis = int(g.tensors[op.inputs[1]].data.reshape(-1)[0])
+        y = x[0].flip(axis) if o.get("reverse") else x[0]
+        y = y.cumsum(axis) - (y if o.get("exclusive") else 0)
+        return y.flip(axis) if o.get("reverse") else y
+    if t in ("ARG_MAX", "ARG_MIN"):
+        pick = torch.argmax if t == "ARG_MAX" else torch.argmin
+        return pick(x[0], dim=int(g.tensors[op.inputs[1]].data.reshape(-1)[0]))
+    if t == "ONE_HOT":
+        on, off = (float(g.tensors[i].data) for i in op.inputs[2:4])
+        hot = F.one_hot(x[0].long(), int(g.tensors[op.inputs[1]].data)).to(torch.float64)
+        return hot * (on - off) + off
     if t == "TransformLandmarks":  # MediaPipe's: (x, y) moved by the matrix's first two rows
         m = x[1]
         moved = x[0][..., :2] @ m[:, :2, :2].transpose(1, 2) + m[:, None, :2, 3]

@@ -11,6 +11,7 @@ import numpy as np
 
 from microtrain.errors import UserError
 from microtrain.graph import Graph, Op, Tensor
+from microtrain.precision import reduced
 
 from .operators import WITH_GRADIENT, spec
 
@@ -108,12 +109,18 @@ class Builder:
                               [f"accum/{name}"])[0]
 
 
+def _is_float(dtype) -> bool:
+    return np.issubdtype(dtype, np.floating) or reduced(dtype)
+
+
 def requires_grad(fwd: Graph, trainable: set[int]) -> set[int]:
-    """Tensors whose value depends on a trainable tensor."""
+    """Float tensors whose value depends on a trainable tensor.  A bool or
+    integer output (a comparison's mask, an ARG_MAX, a CAST to int) has no
+    gradient, so the path stops there: its operator is never asked for one."""
     needed = set(trainable)
     for op in fwd.ops:
         if any(t in needed for t in op.inputs):
-            needed.update(op.outputs)
+            needed.update(t for t in op.outputs if t >= 0 and _is_float(fwd.tensors[t].dtype))
     return needed
 
 

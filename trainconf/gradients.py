@@ -10,6 +10,7 @@ math of each operator is in schemas/backprop.md and microtrain/kernels.
 import numpy as np
 
 from microtrain.errors import UserError
+from microtrain.kernels.shape import tile_axes
 
 # Fused activation codes (circle ActivationFunctionType) as ActivationGrad names.
 FUSED_NAMES = {1: "relu", 2: "relu_n1_to_1", 3: "relu6", 4: "tanh"}
@@ -332,3 +333,64 @@ def transform_landmarks(b, op, dy, needs):
     a = b.emit("SLICE", [b.forward(m), b.const(np.zeros(3, np.int32), "begin"), size],
                shape=b.fwd.tensors[m].shape[:1] + (2, 2))
     return [b.emit("BATCH_MATMUL", [dy, a], like=x, adj_x=False, adj_y=False), None]
+
+
+def neg(b, op, dy, needs):
+    return [b.emit("NEG", [dy], like=op.inputs[0])]
+
+
+def select(b, op, dy, needs):
+    """SELECT(cond, a, b): each branch gets dY where it was picked, 0 elsewhere,
+    summed down to its shape where it was broadcast; the condition gets none."""
+    cond, *branches = op.inputs
+    mask = b.forward(cond)
+    rank, cond_shape = len(b.shape_of(dy)), b.fwd.tensors[cond].shape
+    if op.type == "SELECT" and len(cond_shape) == 1 and rank > 1:  # picks along the first axis
+        shape = cond_shape + (1,) * (rank - 1)
+        mask = b.emit("RESHAPE", [mask, b.const(np.array(shape, np.int32), "shape")],
+                      shape=shape, dtypes=[np.dtype(np.bool_)])
+    zero = b.const(np.zeros((), b.grad_dtype), "zero")
+    grads = [None]
+    for i, (t, need) in enumerate(zip(branches, needs[1:])):
+        picked = [dy, zero] if i == 0 else [zero, dy]
+        grads.append(b.sum_to(b.emit("SELECT_V2", [mask, *picked], like_tensor=dy), t)
+                     if need else None)
+    return grads
+
+
+def reverse_v2(b, op, dy, needs):
+    axis = b.const(np.asarray(b.constant_of(op.inputs[1]), np.int32), "axis")
+    return [b.emit("REVERSE_V2", [dy, axis], like=op.inputs[0]), None]
+
+
+def broadcast_to(b, op, dy, needs):
+    return [b.sum_to(dy, op.inputs[0]), None]
+
+
+def reduce_prod(b, op, dy, needs):
+    x = op.inputs[0]
+    return [b.emit("ReduceProdGrad", [dy, b.forward(x)], like=x, axis=_axis(b, op),
+                   keep_dims=bool(op.options.get("keep_dims", False))), None]
+
+
+def tile(b, op, dy, needs):
+    """TILE's gradient: dY seen as [multiple, size] along each tiled axis (a
+    RESHAPE), summed over the multiples (a SUM)."""
+    x = op.inputs[0]
+    shape = b.fwd.tensors[x].shape
+    split, copies = tile_axes(shape, np.asarray(b.constant_of(op.inputs[1])).reshape(-1).tolist())
+    if not copies:
+        return [b.reshape(dy, x), None]
+    if any(split[i + 1] < 0 for i in copies):
+        raise UserError(None, f"operator {op.index} ({op.type}) tiles the batch axis")
+    parts = b.emit("RESHAPE", [dy, b.const(np.array(split, np.int32), "shape")], shape=split)
+    return [b.emit("SUM", [parts, b.const(np.array(copies, np.int32), "axis")], like=x,
+                   keep_dims=False), None]
+
+
+def cumsum(b, op, dy, needs):
+    """CUMSUM's gradient: the running sum of dY taken the other way."""
+    axis = b.const(np.asarray(b.constant_of(op.inputs[1]), np.int32), "axis")
+    return [b.emit("CUMSUM", [dy, axis], like=op.inputs[0],
+                   exclusive=bool(op.options.get("exclusive")),
+                   reverse=not op.options.get("reverse")), None]

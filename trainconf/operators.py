@@ -69,6 +69,11 @@ _ACTIVATION_OPTIONS = {"LEAKY_RELU": "LeakyReluOptions", "EXP": "ExpOptions",
                        "HARD_SWISH": "HardSwishOptions", "GELU": "GeluOptions"}
 
 
+def _camel(name: str) -> str:
+    """LOGICAL_AND -> LogicalAnd, the stem of its options table's name."""
+    return "".join(word.capitalize() for word in name.split("_"))
+
+
 def _weighted(name, gradient, **props) -> Operator:
     return Operator(name, gradient, weight=1, bias=2, layer=True, **props)
 
@@ -128,13 +133,27 @@ _ENTRIES = [
     Operator("Landmarks2TransformMatrix"),
     Operator("TransformTensorBilinear"),
     Operator("TransformLandmarks", gradients.transform_landmarks),
-    # forward only (the backprop graphs use them too)
+    # forward only (the backprop graphs use it too)
     Operator("ADD_N", options="AddNOptions"),
-    Operator("NEG", options="NegOptions"),
+    # masks, ids and data movement of sequence models (issue 18)
+    Operator("NEG", gradients.neg, options="NegOptions"),
+    *(Operator(name, options=f"{_camel(name)}Options") for name in (
+        "LESS", "LESS_EQUAL", "GREATER", "GREATER_EQUAL", "EQUAL", "NOT_EQUAL",
+        "LOGICAL_AND", "LOGICAL_OR", "LOGICAL_NOT")),  # bool outputs: no gradient
+    Operator("SELECT", gradients.select, options="SelectOptions"),
+    Operator("SELECT_V2", gradients.select, options="SelectV2Options"),
+    Operator("CAST", gradients.reshape, options="CastOptions"),  # float to float: dY itself
+    Operator("REVERSE_V2", gradients.reverse_v2, options="ReverseV2Options"),
+    Operator("BROADCAST_TO", gradients.broadcast_to, options="BroadcastToOptions"),
+    Operator("REDUCE_PROD", gradients.reduce_prod, fold=fold.reduce_prod, options="ReducerOptions"),
+    Operator("TILE", gradients.tile, options="TileOptions"),
+    Operator("CUMSUM", gradients.cumsum, options="CumsumOptions"),
+    Operator("ONE_HOT", options="OneHotOptions"),
+    Operator("ARG_MAX", options="ArgMaxOptions"),
+    Operator("ARG_MIN", options="ArgMinOptions"),
     # shape computations, folded into constants at split
     Operator("SHAPE", fold=fold.shape, options="ShapeOptions"),
     Operator("PACK", fold=fold.pack, options="PackOptions"),
-    Operator("REDUCE_PROD", fold=fold.reduce_prod, options="ReducerOptions"),
 ]
 
 OPERATORS: dict[str, Operator] = {op.name: op for op in _ENTRIES}

@@ -12,7 +12,8 @@ from .operators import spec
 TENSOR_TYPES = {np.dtype(np.float32): circle.TensorType.FLOAT32,
                 np.dtype(np.float16): circle.TensorType.FLOAT16,
                 np.dtype(np.int32): circle.TensorType.INT32,
-                np.dtype(np.int64): circle.TensorType.INT64}
+                np.dtype(np.int64): circle.TensorType.INT64,
+                np.dtype(np.bool_): circle.TensorType.BOOL}
 
 
 def tensor_type(dtype: np.dtype) -> int:

@@ -1,5 +1,5 @@
-"""Reductions over constant axes (MEAN, SUM, REDUCE_MAX), L2_NORMALIZATION
-over the last axis, and their gradients."""
+"""Reductions over constant axes (MEAN, SUM, REDUCE_MAX, REDUCE_PROD),
+L2_NORMALIZATION over the last axis, CUMSUM, and their gradients."""
 from functools import partial
 from math import prod
 
@@ -125,4 +125,54 @@ def l2_normalization_grad(inputs, outputs, **_):
         np.multiply(x2, dots, out=dx2)
         np.subtract(dy2, dx2, out=dx2)
         np.divide(dx2, norms, out=dx2)
+    return step
+
+
+kernel("REDUCE_PROD")(_reduce(np.multiply))
+
+
+@kernel("ReduceProdGrad")
+def reduce_prod_grad(inputs, outputs, axis=(), **_):
+    """dX = dY times the product of the other elements of X's reduced group:
+    dY·P/X with P the product of the group's non-zero elements, where no other
+    element of the group is 0 (at a group's only zero that is dY·P), else 0."""
+    (dy, x), (dx,) = inputs, outputs
+    axes, kept, _ = _reduction(dx.shape, axis)
+    dy_kept = dy.reshape(kept)
+    zero = scratch(x.shape, bool)
+    others = scratch(x.shape, dx.dtype)  # X with its zeros as 1, then the zeros among the others
+    product, zeros = scratch(kept, dx.dtype), scratch(kept, dx.dtype)
+
+    def step():
+        np.equal(x, 0, out=zero)
+        np.copyto(others, x)
+        np.copyto(others, 1, where=zero)
+        np.multiply.reduce(others, axis=axes, keepdims=True, out=product)
+        np.multiply(product, dy_kept, out=product)
+        np.divide(product, others, out=dx)
+        np.add.reduce(zero, axis=axes, keepdims=True, out=zeros)
+        np.subtract(zeros, zero, out=others)
+        np.not_equal(others, 0, out=zero)
+        np.copyto(dx, 0, where=zero)
+    return step
+
+
+@kernel("CUMSUM")
+def cumsum(inputs, outputs, exclusive=False, reverse=False, **_):
+    """y = the running sum of x along the constant axis (input 1), from the end
+    with `reverse`; `exclusive` leaves each element out of its own sum."""
+    x, axis = inputs[:2]
+    (y,) = outputs
+    axis = int(np.asarray(axis).reshape(-1)[0]) % x.ndim
+    if reverse:
+        x, y = np.flip(x, axis), np.flip(y, axis)
+    if not exclusive:
+        return partial(np.cumsum, x, axis=axis, out=y)
+    lead = (slice(None),) * axis
+    first, rest, before = y[lead + (slice(0, 1),)], y[lead + (slice(1, None),)], \
+        x[lead + (slice(0, -1),)]
+
+    def step():
+        first.fill(0)
+        np.cumsum(before, axis=axis, out=rest)
     return step

@@ -329,3 +329,48 @@ def gather_grad(inputs, outputs, axis=0, **_):
         else:
             np.add.at(dx, at, dy_flat)
     return step
+
+
+@kernel("REVERSE_V2")
+def reverse_v2(inputs, outputs, **_):
+    """y = x with the order of its elements reversed along each constant axis (input 1)."""
+    x, axis = inputs[:2]
+    (y,) = outputs
+    return partial(np.copyto, y, np.flip(x, tuple(np.asarray(axis).reshape(-1).tolist())))
+
+
+@kernel("BROADCAST_TO")
+def broadcast_to(inputs, outputs, **_):
+    """y = x broadcast (numpy rules) to y's shape (the constant input 1)."""
+    x, (y,) = inputs[0], outputs
+    try:
+        view = np.broadcast_to(x, y.shape)
+    except ValueError:
+        raise OperatorError(None, f"BROADCAST_TO: {x.shape} does not broadcast to {y.shape}") \
+            from None
+    return partial(np.copyto, y, view)
+
+
+def tile_axes(shape, multiples) -> tuple[list[int], list[int]]:
+    """(y's shape with each tiled axis split in two, [multiple, size], and the
+    positions of the multiples in it): TILE's output as copies of x along new axes."""
+    split, copies = [], []
+    for n, m in zip(shape, multiples):
+        if m != 1:
+            copies.append(len(split))
+            split.append(int(m))
+        split.append(n)
+    return split, copies
+
+
+@kernel("TILE")
+def tile(inputs, outputs, **_):
+    """y = x repeated multiples[i] times along each axis i (constant input 1)."""
+    x, multiples = inputs[:2]
+    (y,) = outputs
+    times = np.asarray(multiples).reshape(-1).tolist()
+    split, copies = tile_axes(x.shape, times)
+    tiled = tuple(d * m for d, m in zip(x.shape, times))
+    if tiled != y.shape:
+        raise OperatorError(None, f"TILE: tiles {x.shape} to {tiled} but the output is {y.shape}")
+    return partial(np.copyto, y.reshape(split), np.expand_dims(x, tuple(copies)))
