@@ -131,6 +131,9 @@ _ENTRIES = [
     # forward only (the backprop graphs use them too)
     Operator("ADD_N", options="AddNOptions"),
     Operator("NEG", options="NegOptions"),
+    # comparisons and logic: forward only (a loop's condition, evaluated when split unrolls it)
+    Operator("LESS", options="LessOptions"),
+    Operator("LOGICAL_AND", options="LogicalAndOptions"),
     # shape computations, folded into constants at split
     Operator("SHAPE", fold=fold.shape, options="ShapeOptions"),
     Operator("PACK", fold=fold.pack, options="PackOptions"),

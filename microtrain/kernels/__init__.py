@@ -76,8 +76,8 @@ def prepare(name: str, inputs: list[np.ndarray | None], outputs: list[np.ndarray
 
 def _load_all() -> None:
     # Importing the modules registers their kernels.
-    from . import (activations, conv, dense, elementwise, landmarks, losses,  # noqa: F401
-                   reduce, resize, shape)
+    from . import (activations, conv, dense, elementwise, landmarks, logic,  # noqa: F401
+                   losses, reduce, resize, shape)
 
 
 _load_all()
