@@ -78,9 +78,10 @@ def unroll_loops(model) -> list[Loop]:
 def loops_of(model) -> list[Loop]:
     """The loops of subgraph 0 with their trip counts, or why one is not static
     (for inspect); the model is left as it is."""
+    if not Unroller(model).has_control_flow():
+        return []
     unroller = Unroller(copy.deepcopy(model))
-    if unroller.has_control_flow():
-        unroller.run(strict=False)
+    unroller.run(strict=False)
     return list(unroller.loops.values())
 
 
