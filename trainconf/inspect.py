@@ -11,6 +11,7 @@ from microtrain.format.model import (TYPE_NAMES, enum_names, get_metadata, int_l
 from .constants import RESOLVERS, is_quantized
 from .memory import measure_scratch, peak, peak_text, scratch_points
 from .operators import spec
+from .unroll import loops_of
 
 ACTIVATIONS = enum_names(circle.ActivationFunctionType)
 
@@ -18,8 +19,11 @@ ACTIVATIONS = enum_names(circle.ActivationFunctionType)
 def training_support(op_type: str) -> str:
     """How `trainconf split` treats an operator: it has a gradient rule, it is
     folded into a constant (shape computations), it runs forward only (below the
-    lowest trained layer), or microtrain cannot run it."""
+    lowest trained layer), it is a loop unrolled into flat operators, or
+    microtrain cannot run it."""
     op = spec(op_type)
+    if op_type == "WHILE":
+        return "unrolled"
     if op.gradient:
         return "gradient"
     if op.fold:
@@ -35,6 +39,7 @@ def describe(model: circle.ModelT) -> dict:
         "metadata": [m.name for m in model.metadata or ()],
         "signatures": [sig.signatureKey for sig in model.signatureDefs or ()],
         "subgraphs": subgraphs,
+        "loops": [loop.to_dict() for loop in loops_of(model)],
         "totals": {key: sum(sg["totals"][key] for sg in subgraphs)
                    for key in ("operators", "constants", "parameters", "bytes")},
     }
@@ -169,12 +174,24 @@ def render_text(desc: dict) -> str:
              + (f", {desc['description']!r}" if desc["description"] else "")]
     for sg in desc["subgraphs"]:
         lines += _subgraph_lines(sg)
+    lines += _loop_lines(desc["loops"])
     n = desc["totals"]
     lines.append(f"total: {n['operators']} operators, {n['constants']} constant tensors, "
                  f"{n['parameters']} parameters, {n['bytes']} bytes")
     if desc.get("memory"):
         lines.append(peak_text(desc["memory"]))
     return "\n".join(lines)
+
+
+def _loop_lines(loops: list[dict]) -> list[str]:
+    """Each WHILE loop: how many steps split unrolls it into, or why it cannot."""
+    lines = [f"loops (split unrolls them): {len(loops)}"] if loops else []
+    for loop in loops:
+        steps = f"{loop['trips']} steps" if loop["reason"] is None else \
+            f"cannot be unrolled: {loop['reason']}"
+        lines.append(f"  subgraph {loop['subgraph']} operator {loop['operator']}: body "
+                     f"{loop['body']!r}, cond {loop['cond']!r}: {steps}")
+    return lines
 
 
 def _tensor_text(t: dict) -> str:

@@ -12,6 +12,15 @@ def weighted_ops(g: Graph) -> list[Op]:
             and g.tensors[op.inputs[spec(op.type).weight]].data is not None]
 
 
+def layers(ops: list[Op]) -> list[list[Op]]:
+    """Weighted ops grouped by their weight tensor, in the order of each group's
+    first op: the steps of an unrolled loop share one weight and are one layer."""
+    groups: dict[int, list[Op]] = {}
+    for op in ops:
+        groups.setdefault(kernel_of(op), []).append(op)
+    return list(groups.values())
+
+
 def kernel_of(op: Op) -> int:
     """The weight tensor of a weighted op."""
     return op.inputs[spec(op.type).weight]
@@ -62,9 +71,10 @@ def select_trainable(g: Graph, spec: str | set[int], freeze_bias: bool = False) 
             n = int(spec[5:])
         except ValueError:
             n = 0
-        if not 1 <= n <= len(ops):
-            raise UserError(None, f"--trainable {spec}: N must be between 1 and {len(ops)}")
-        chosen = [t for op in ops[-n:] for t in _weights_of(op, freeze_bias)]
+        groups = layers(ops)
+        if not 1 <= n <= len(groups):
+            raise UserError(None, f"--trainable {spec}: N must be between 1 and {len(groups)}")
+        chosen = [t for layer in groups[-n:] for op in layer for t in _weights_of(op, freeze_bias)]
     else:
         chosen = _named(g, ops, [s.strip() for s in spec.split(",") if s.strip()], freeze_bias)
     if not chosen:

@@ -27,6 +27,7 @@ from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .operators import FOLDS, ROW_GRADS
 from .select import select_trainable
 from .support import check_forward
+from .unroll import unroll_loops
 from .writer import graph_to_model, set_constant, tensor_type
 
 
@@ -279,6 +280,7 @@ def load_prepared(model_path: Path, types: dict):
     model = load_model(model_path)
     resolve_constants(model)
     untie_weights(model)
+    unroll_loops(model)  # after untying: one loop's steps share its weights
     g, batch = make_batch_symbolic(model, graph_of(model))
     check_dataflow(g, model_path, set())
     set_activation_dtype(model, g, dtype_of(types.activations))
