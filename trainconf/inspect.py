@@ -17,9 +17,12 @@ ACTIVATIONS = enum_names(circle.ActivationFunctionType)
 
 def training_support(op_type: str) -> str:
     """How `trainconf split` treats an operator: it has a gradient rule, it is
-    folded into a constant (shape computations), it runs forward only (below the
-    lowest trained layer), or microtrain cannot run it."""
+    folded into a constant (shape computations), it is lowered into operators
+    that train (recurrent layers, unrolled over time), it runs forward only
+    (below the lowest trained layer), or microtrain cannot run it."""
     op = spec(op_type)
+    if op.lowered:
+        return "lowered"
     if op.gradient:
         return "gradient"
     if op.fold:

@@ -25,6 +25,7 @@ from .constants import resolve_constants, untie_weights
 from .fold import fold_shape_chains
 from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .operators import FOLDS, ROW_GRADS
+from .recurrent import lower_recurrent
 from .select import select_trainable
 from .support import check_forward
 from .writer import graph_to_model, set_constant, tensor_type
@@ -279,6 +280,7 @@ def load_prepared(model_path: Path, types: dict):
     model = load_model(model_path)
     resolve_constants(model)
     untie_weights(model)
+    lower_recurrent(model)
     g = graph_of(model)
     check_dataflow(g, model_path, set())
     batch = make_batch_symbolic(model, g)
