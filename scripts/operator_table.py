@@ -17,12 +17,16 @@ def _mark(flag: bool) -> str:
 
 
 def _forward(op) -> str:
+    if op.lowered:
+        return "unrolled at split"
     if op.forward and op.versions:
         return f"yes (version {', '.join(str(v) for v in sorted(op.versions))})"
     return _mark(op.forward)
 
 
 def _trains(op) -> str:
+    if op.lowered:
+        return "every weight, through time"
     if not op.weighted:
         return ""
     parts = [f"input {op.weight}" + (f", bias input {op.bias}" if op.bias is not None else "")]

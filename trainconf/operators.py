@@ -48,6 +48,7 @@ class Operator:
     layer: bool = False  # its input gradient is a layer for adaptive loss scaling
     row_grad: str | None = None  # the weight-gradient op whose rows are output channels
     options: str | None = None  # its builtin options table, for the backprop graph's writer
+    lowered: bool = False  # split rewrites it into operators that train (trainconf/recurrent.py)
 
     @property
     def forward(self) -> bool:
@@ -151,6 +152,12 @@ _ENTRIES = [
     Operator("ONE_HOT", options="OneHotOptions"),
     Operator("ARG_MAX", options="ArgMaxOptions"),
     Operator("ARG_MIN", options="ArgMinOptions"),
+    # fused recurrent layers: unrolled over time at split into the operators above
+    Operator("UNIDIRECTIONAL_SEQUENCE_LSTM", lowered=True,
+             options="UnidirectionalSequenceLSTMOptions"),
+    Operator("BIDIRECTIONAL_SEQUENCE_LSTM", lowered=True,
+             options="BidirectionalSequenceLSTMOptions"),
+    Operator("UNIDIRECTIONAL_SEQUENCE_RNN", lowered=True, options="SequenceRNNOptions"),
     # shape computations, folded into constants at split
     Operator("SHAPE", fold=fold.shape, options="ShapeOptions"),
     Operator("PACK", fold=fold.pack, options="PackOptions"),

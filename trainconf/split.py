@@ -25,6 +25,7 @@ from .constants import resolve_constants, untie_weights
 from .batch import FixedBatch, infer_batch
 from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .operators import FOLDS, ROW_GRADS
+from .recurrent import lower_recurrent
 from .select import select_trainable
 from .support import check_forward
 from .unroll import unroll_loops
@@ -281,6 +282,7 @@ def load_prepared(model_path: Path, types: dict):
     resolve_constants(model)
     untie_weights(model)
     unroll_loops(model)  # after untying: one loop's steps share its weights
+    lower_recurrent(model)  # likewise the steps of a fused recurrent layer
     g, batch = make_batch_symbolic(model, graph_of(model))
     check_dataflow(g, model_path, set())
     set_activation_dtype(model, g, dtype_of(types.activations))
