@@ -117,7 +117,9 @@ _ENTRIES = [
     Operator("SLICE", gradients.slice_, options="SliceOptions"),
     Operator("SPLIT", gradients.split, options="SplitOptions"),
     Operator("SPLIT_V", gradients.split, options="SplitVOptions"),
-    Operator("GATHER", gradients.gather, options="GatherOptions"),
+    # embedding tables: the weight is the table, whose gradient is a row scatter-add
+    Operator("GATHER", gradients.gather, weight=0, options="GatherOptions"),
+    Operator("EMBEDDING_LOOKUP", gradients.embedding_lookup, weight=1),
     Operator("RESIZE_BILINEAR", gradients.resize_bilinear, options="ResizeBilinearOptions"),
     Operator("RESIZE_NEAREST_NEIGHBOR", gradients.resize_nearest_neighbor,
              options="ResizeNearestNeighborOptions"),
