@@ -316,6 +316,9 @@ class TrainingMeta(Record):
     rows: dict[Index, tuple[Index, Index]] = doc(
         "`{t: [lo, hi]}`: trainable tensor t trains only rows lo..hi-1 of its leading axis",
         default={})
+    vocab: dict[Index, Annotated[int, Range(1, MAX_INDEX)]] = doc(
+        "`{t: n}`: model input t holds the ids of embedding tables whose smallest has n rows; "
+        "data outside 0..n-1 is refused when loaded", default={})
     parameters: TrainingParameters = doc(
         "the training parameters `trainconf split` recorded (from its options, else the "
         "input's circle+ CIRCLE_TRAINING, else the defaults)", default_factory=TrainingParameters)

@@ -9,7 +9,7 @@ import numpy as np
 
 from .arena import held_bytes
 from .artifacts import load_artifacts
-from .data import batch_indices, check_values
+from .data import Holding, batch_indices, check_ids, check_values, hold
 from .errors import UserError
 from .executor import Hooks, Memory, Plan, check_supported, compile_plan
 from .format.wof import write_wof
@@ -137,6 +137,8 @@ class Trainer:
                     got in (want[:-1], want[:-1] + (1,)) and self.loss_name == "cce" else ""
                 raise UserError(where, f"expected {what} samples of shape {want}, found "
                                        f"{got} (array of shape {a.shape}){hint}")
+            if v.dtype.kind in "biu":  # ids and masks: integers the tensor's type holds
+                arrays[i] = a = hold(Holding(where, v.dtype), a)
             check_values(where, a)
         if len({len(a) for a in arrays}) > 1:
             raise UserError(None, f"the {what}s have different sample counts")
@@ -156,6 +158,10 @@ class Trainer:
         names = names or (None, None)
         plan = self._plan(self.batch_size)
         xs = self._expect(inputs, plan.inputs, "input", names[0])
+        for i, t in enumerate(self.art.forward.inputs):
+            if t in self.art.training.vocab:
+                check_ids(names[0][i] if names[0] else f"input {i}", xs[i],
+                          self.art.training.vocab[t])
         ts = [] if targets is None else self._expect(targets, plan.targets, "target", names[1])
         if ts and len(ts[0]) != len(xs[0]):
             raise UserError(None, f"{len(xs[0])} input samples but {len(ts[0])} target samples")

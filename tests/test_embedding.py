@@ -5,11 +5,17 @@ import numpy as np
 import pytest
 import torch
 
+from click.testing import CliRunner
+
 from kernel_check import run
+from microtrain.cli import main
+from microtrain.data import load_array
 from microtrain.errors import UserError
+from microtrain.graph import Graph
 from microtrain.trainer import Trainer
 from test_split_gradients import GraphMaker, check_gradients
 from tflite_op import tflite_run
+from trainconf.select import id_inputs
 from trainconf.split import split
 
 rng = np.random.default_rng(18)
@@ -83,3 +89,66 @@ def test_trainable_names_the_table(tmp_path):
     assert table in everything and len(everything) == 3
     last = Trainer(split(path, tmp_path, trainable="last:1", force=True).frozen)
     assert table not in last.art.training.trainable
+
+
+# -- integer data ---------------------------------------------------------------------------------
+
+def split_classifier(tmp_path, op="GATHER"):
+    m = GraphMaker()
+    x, y, _ = classifier(m, op)
+    return split(m.save(tmp_path / "embed.circle", [x], [y]), tmp_path).frozen
+
+
+def run_cli(frozen, x, t, tmp_path):
+    np.save(tmp_path / "ids.npy", x)
+    np.save(tmp_path / "t.npy", t)
+    return CliRunner().invoke(main, ["run", str(frozen), "--input", str(tmp_path / "ids.npy"),
+                                     "--target", str(tmp_path / "t.npy"), "--epochs", "2",
+                                     "--batch-size", "4", "--json"])
+
+
+def test_int64_ids_train_and_ids_outside_the_table_are_refused_in_one_line(tmp_path):
+    frozen = split_classifier(tmp_path)
+    x, t = ids(11, (12, 6), np.int64), np.eye(3, dtype=np.float32)[rng.integers(0, 3, 12)]
+    result = run_cli(frozen, x, t, tmp_path)
+    assert result.exit_code == 0, result.output
+    x[7, 2] = 11
+    result = run_cli(frozen, x, t, tmp_path)
+    assert result.exit_code != 0 and result.output.strip().splitlines()[-1] == (
+        f"Error: {tmp_path / 'ids.npy'}: sample 7 holds id 11, outside the 11 rows of the "
+        "embedding table it indexes")
+    x[7, 2] = -1  # Keras would wrap it to the last row: refused as well
+    assert "sample 7 holds id -1" in run_cli(frozen, x, t, tmp_path).output
+
+
+@pytest.mark.parametrize("data, problem", [
+    (np.ones((12, 6), np.float32), "holds float32 data, but the model reads it into a int32 tensor"),
+    (np.full((12, 6), 1 << 40, np.int64), "holds 1099511627776 (element 0), beyond the range of "
+                                         "the int32 tensor")])
+def test_ids_that_are_not_the_inputs_integers_are_refused(tmp_path, data, problem):
+    frozen = split_classifier(tmp_path)
+    result = run_cli(frozen, data, np.eye(3, dtype=np.float32)[[0] * 12], tmp_path)
+    assert result.exit_code != 0 and problem in result.output.splitlines()[-1]
+
+
+def test_bool_masks_are_read_as_bools_only(tmp_path):
+    np.save(tmp_path / "mask.npy", np.array([[True, False]]))
+    assert load_array(str(tmp_path / "mask.npy"), dtype=np.bool_).dtype == np.bool_
+    np.save(tmp_path / "mask.npy", np.array([[1, 0]]))
+    with pytest.raises(UserError, match="holds int64 data, but the model reads it into a bool"):
+        load_array(str(tmp_path / "mask.npy"), dtype=np.bool_)
+
+
+def test_the_ids_of_keras_wrapped_lookups_are_traced_to_the_input():
+    """Keras 3's Embedding: SELECT(LESS(ids, 0), ADD(ids, n), ids) -> GATHER; two tables
+    read one input: the smaller bounds its ids."""
+    m = GraphMaker()
+    x = m.tensor((-1, 6), dtype=np.int32)
+    less = m.op("LESS", [x, m.tensor((), 0, np.int32)], (-1, 6))
+    wrapped = m.op("ADD", [x, m.tensor((), 9, np.int32)], (-1, 6))
+    picked = m.op("SELECT_V2", [less, wrapped, x], (-1, 6))
+    a = m.op("GATHER", [m.weight(9, 4), picked], (-1, 6, 4), axis=0)
+    b = m.op("EMBEDDING_LOOKUP", [m.op("RESHAPE", [x, m.tensor((1,), [-1], np.int32)], (-1,)),
+                                  m.weight(7, 4)], (-1, 4))
+    graph = Graph(m.tensors, m.ops, [x], [a, b])
+    assert id_inputs(graph) == {x: 7}

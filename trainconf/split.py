@@ -25,7 +25,7 @@ from .constants import resolve_constants, untie_weights
 from .fold import fold_shape_chains
 from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .operators import FOLDS, ROW_GRADS
-from .select import select_trainable
+from .select import id_inputs, select_trainable
 from .support import check_forward
 from .writer import graph_to_model, set_constant, tensor_type
 
@@ -308,7 +308,8 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
     training = TrainingMeta(version=TrainingMeta.VERSION, loss=loss, reduction=reduction,
                             trainable=list(weights), precision=types, batch=model_batch,
                             stable_logits_loss=last is not None and LOGITS_OF.get(loss) == last.type,
-                            rows=dict(rows), parameters=parameters or TrainingParameters())
+                            rows=dict(rows), vocab=id_inputs(g),
+                            parameters=parameters or TrainingParameters())
     set_metadata(model, TrainingMeta.NAME, training.to_json())
     frozen_bytes = model_to_bytes(model)
     for t in weights:  # as the runtime reads the frozen model
