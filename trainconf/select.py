@@ -105,9 +105,9 @@ def id_inputs(g: Graph) -> dict[int, int]:
     above; rows: those of the smallest such table."""
     producers, vocab = g.producers(), {}
     for op in weighted_ops(g):
-        ids = op.inputs[1 - spec(op.type).weight]
-        if spec(op.type).weight == 0 and op.options.get("axis", 0) != 0:
+        if spec(op.type).ids is None or op.options.get("axis", 0) != 0:
             continue
+        ids = op.inputs[spec(op.type).ids]
         rows = g.tensors[kernel_of(op)].shape[0]
         todo, seen = [ids], set()
         while todo:
