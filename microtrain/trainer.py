@@ -16,7 +16,7 @@ from .format.wof import write_wof
 from .kernels.workspace import sharing
 from .loss_scale import LossScale
 from .precision import Underflow
-from .metrics import HIGHER_IS_BETTER, METRICS, default_metric, meter
+from .metrics import HIGHER_IS_BETTER, METRICS, bind, default_metric
 from .optimizers import make_optimizer
 from .parameters import FROZEN_MODEL, resolve
 from .schedules import make_schedule
@@ -47,16 +47,30 @@ class Totals:
     """Running sums over the batches of one pass through a data set.  The loss is
     averaged weighting each step by its batch size, as Keras 3 does (its loss
     tracker is a Mean with sample_weight = batch size), so a partial last batch
-    counts for its rows."""
+    counts for its rows.  A language model's cross-entropy is also summed per
+    counted token, for its perplexity."""
     loss: float = 0.0
     samples: int = 0
     metric: list = field(default_factory=lambda: [0.0, 0])
+    token_loss: list = field(default_factory=lambda: [0.0, 0])
 
-    def add(self, loss: float, rows: int, metric: tuple[float, int]) -> None:
+    def add(self, loss: float, rows: int, metric: tuple[float, int],
+            tokens: tuple[float, int] | None = None) -> None:
         self.loss += loss * rows
         self.samples += rows
         self.metric[0] += metric[0]
         self.metric[1] += metric[1]
+        if tokens:
+            self.token_loss[0] += tokens[0]
+            self.token_loss[1] += tokens[1]
+
+    def report(self, metric: str, prefix: str = "") -> dict:
+        """The mean loss, the metric and, for a language model, the perplexity."""
+        result = {f"{prefix}loss": self.mean_loss(), f"{prefix}{metric}": self.metric_value()}
+        if self.token_loss[1]:
+            mean = self.token_loss[0] / self.token_loss[1]
+            result[f"{prefix}perplexity"] = math.exp(min(mean, 709.0))  # finite, for JSON
+        return result
 
     def mean_loss(self) -> float:
         return self.loss / self.samples
@@ -175,13 +189,20 @@ class Trainer:
         for src, dst in zip(ts, plan.targets):
             np.copyto(dst, src[idx], casting="unsafe")
 
-    def _meter(self, rows: int):
-        """The metric's closure over the plan of `rows` rows (all its outputs)."""
+    def _measure(self, totals: Totals, loss: float, rows: int) -> None:
+        """Add the batch of `rows` rows now in its plan to `totals`: its loss, metric
+        and, for a language model, its cross-entropy summed over counted tokens."""
         if rows not in self._meters:
             plan = self._plan(rows)
             with sharing(self.memory.workspace):
-                self._meters[rows] = meter(self.metric, plan.outputs, plan.targets, self.loss_name)
-        return self._meters[rows]
+                self._meters[rows] = bind(self.metric, plan.outputs, plan.targets,
+                                          self.art.training)
+        measure, count = self._meters[rows]
+        tokens = None
+        if count is not None:
+            n = count()
+            tokens = (loss * n if self.art.training.reduction == "mean" else loss, n)
+        totals.add(loss, rows, measure(), tokens)
 
     # -- training -----------------------------------------------------------------------------
     def _forward_backward(self, plan: Plan) -> float:
@@ -242,13 +263,13 @@ class Trainer:
             loss = self.train_step(plan, rows)
             busy += time.perf_counter() - start
             steps += 1
-            totals.add(loss, rows, self._meter(rows)())
+            self._measure(totals, loss, rows)
             if tick:
                 tick(rows)
         self.flush()
         self.epoch += 1
-        return {"epoch": self.epoch, "loss": totals.mean_loss(),
-                self.metric: totals.metric_value(), "ms_per_step": 1000 * busy / steps,
+        return {"epoch": self.epoch, **totals.report(self.metric),
+                "ms_per_step": 1000 * busy / steps,
                 "loss_scale": self.scaler.report(),
                 "loss_scale_by_tensor": self.scaler.layer_scales(),
                 "skipped_steps": self.scaler.skipped - skipped,
@@ -290,8 +311,7 @@ class Trainer:
                                              "weights") from None
             if test_data:
                 result = self.evaluate(*test_data, checked=True)
-                record["test_loss"] = result["loss"]
-                record[f"test_{self.metric}"] = result[self.metric]
+                record.update({f"test_{k}": v for k, v in result.items() if k != "samples"})
             history.append(record)
             if on_epoch:
                 on_epoch(record)
@@ -332,9 +352,8 @@ class Trainer:
             self._load(plan, xs, ts, idx)
             plan.run_forward()
             plan.run_loss()
-            totals.add(float(plan.loss[0]), len(idx), self._meter(len(idx))())
-        return {"loss": totals.mean_loss(), self.metric: totals.metric_value(),
-                "samples": totals.samples}
+            self._measure(totals, float(plan.loss[0]), len(idx))
+        return {**totals.report(self.metric), "samples": totals.samples}
 
     @quiet
     def predict(self, inputs) -> list[np.ndarray]:
