@@ -80,6 +80,9 @@ def export(frozen, output, wof=None, weights: str = "fp32", traininfo: bool = Fa
     if traininfo:
         t, p = art.training, art.training.parameters
         try:
+            if t.ignore_index is not None or t.from_logits:
+                raise UserError(None, "circle+ cannot hold the loss's --ignore-index or "
+                                      "--from-logits")
             set_circle_plus(model, to_circle_plus(p.optimizer, p.hyperparameters, t.loss,
                                                   t.reduction, p.epochs, p.batch_size,
                                                   trainable_ops))

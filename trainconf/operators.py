@@ -27,7 +27,8 @@ positions; `layer=True` if its input gradient (gradient of input 0) is emitted
 as one operator whose inputs are [dY, W] (adaptive loss scaling scales there);
 `row_grad` if its weight gradient is one operator whose output's leading axis is
 the output channel, computed from [dY, X] (the memory budget may train a block
-of rows); `options` names its builtin options table in the circle schema, which
+of rows); `ids` if its weight is a table whose rows it reads at the ids of that
+input (an embedding lookup: the data loader checks them); `options` names its builtin options table in the circle schema, which
 the writer gives it when a backprop graph uses it.
 """
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ class Operator:
     bias: int | None = None  # input position of the bias that trains with it
     layer: bool = False  # its input gradient is a layer for adaptive loss scaling
     row_grad: str | None = None  # the weight-gradient op whose rows are output channels
+    ids: int | None = None  # an embedding lookup's input of row ids into its weight (the table)
     options: str | None = None  # its builtin options table, for the backprop graph's writer
     lowered: bool = False  # split rewrites it into operators that train (trainconf/recurrent.py)
 
@@ -123,7 +125,9 @@ _ENTRIES = [
     Operator("SLICE", gradients.slice_, options="SliceOptions"),
     Operator("SPLIT", gradients.split, options="SplitOptions"),
     Operator("SPLIT_V", gradients.split, options="SplitVOptions"),
-    Operator("GATHER", gradients.gather, fold=fold.gather, options="GatherOptions"),
+    # embedding tables: the weight is the table, whose gradient is a row scatter-add
+    Operator("GATHER", gradients.gather, fold=fold.gather, weight=0, ids=1, options="GatherOptions"),
+    Operator("EMBEDDING_LOOKUP", gradients.embedding_lookup, weight=1, ids=0),
     Operator("RESIZE_BILINEAR", gradients.resize_bilinear, options="ResizeBilinearOptions"),
     Operator("RESIZE_NEAREST_NEIGHBOR", gradients.resize_nearest_neighbor,
              options="ResizeNearestNeighborOptions"),

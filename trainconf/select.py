@@ -99,3 +99,34 @@ def _in_first_use_order(g: Graph, chosen: list[int]) -> list[int]:
     for t in (t for op in g.ops for t in op.inputs):
         first_use.setdefault(t, len(first_use))
     return sorted(set(chosen), key=first_use.__getitem__)
+
+
+# Operators that pass token ids through unchanged in value (reshaped, cast, or
+# Keras's wrap of negative ids: SELECT(LESS(ids, 0), ADD(ids, n), ids)), by the
+# inputs that carry them.
+_ID_CARRIERS = {"RESHAPE": (0,), "SQUEEZE": (0,), "EXPAND_DIMS": (0,), "CAST": (0,),
+                "STRIDED_SLICE": (0,), "SLICE": (0,), "TRANSPOSE": (0,), "ADD": (0, 1),
+                "SELECT": (1, 2), "SELECT_V2": (1, 2)}
+
+
+def id_inputs(g: Graph) -> dict[int, int]:
+    """{model input: rows} for the inputs whose values index an embedding table
+    (GATHER/EMBEDDING_LOOKUP on a constant table), directly or through the ops
+    above; rows: those of the smallest such table."""
+    producers, vocab = g.producers(), {}
+    for op in weighted_ops(g):
+        if spec(op.type).ids is None or op.options.get("axis", 0) != 0:
+            continue
+        ids = op.inputs[spec(op.type).ids]
+        rows = g.tensors[kernel_of(op)].shape[0]
+        todo, seen = [ids], set()
+        while todo:
+            t = todo.pop()
+            if t in seen or g.tensors[t].data is not None:
+                continue
+            seen.add(t)
+            if t in g.inputs:
+                vocab[t] = min(rows, vocab.get(t, rows))
+            elif t in producers and producers[t].type in _ID_CARRIERS:
+                todo += [producers[t].inputs[i] for i in _ID_CARRIERS[producers[t].type]]
+    return vocab
