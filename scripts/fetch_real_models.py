@@ -456,6 +456,36 @@ def calibrate_batch_norm(model, x):
     return model.eval()
 
 
+# ---------------------------------------------------------------- sequence fixtures
+
+
+FIXTURES = {"keras_lstm_b1": "keras_text/lstm_b1", "tf_keras_lstm_b1": "tf_keras/lstm_b1",
+            "keras_transformer": "keras_text/transformer", "keras_recommender": "keras_text/recommender"}
+FIXTURE_SAMPLES = 32
+
+
+def write_sequence_fixtures(cache: Path, out: Path) -> None:
+    """The small sequence models of FIXTURES copied from the cache into `out` (the test suite's
+    tests/fixtures/sequence), with data to train them: token ids and one-hot labels (the
+    class is the last id modulo CLASSES) for the three text classifiers, user and item ids and
+    0/1 ratings (1 where their parities agree) for the recommender."""
+    import numpy as np
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name, source in FIXTURES.items():
+        (out / f"{name}.tflite").write_bytes((cache / f"{source}.tflite").read_bytes())
+    rng = np.random.default_rng(SEED)
+    ids = rng.integers(0, VOCAB, (FIXTURE_SAMPLES, SEQ)).astype(np.int32)
+    users = rng.integers(0, USERS, (FIXTURE_SAMPLES, 1)).astype(np.int32)
+    items = rng.integers(0, VOCAB, (FIXTURE_SAMPLES, 1)).astype(np.int32)
+    data = {"text_ids": ids, "text_labels": np.eye(CLASSES, dtype=np.float32)[ids[:, -1] % CLASSES],
+            "rec_users": users, "rec_items": items,
+            "rec_ratings": (users % 2 == items % 2).astype(np.float32)}
+    for name, array in data.items():
+        np.save(out / f"{name}.npy", array)
+    print(f"{len(FIXTURES)} models and {len(data)} arrays in {out}")
+
+
 # ---------------------------------------------------------------- index
 
 
@@ -530,11 +560,17 @@ def main() -> None:
                         help="interpreter with torch, torchvision, litert-torch and transformers, "
                              "for torch and torch_text (default: this one)")
     parser.add_argument("--index-only", action="store_true", help="only rewrite INDEX.md")
+    parser.add_argument("--sequence-fixtures", type=Path, metavar="DIR",
+                        help="fetch nothing: copy the sequence fixtures from the cache into DIR "
+                             "(tests/fixtures/sequence) with data to train them")
     parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     cache = args.cache.resolve()
     if args.worker:
         WORKERS[args.worker](cache / args.worker)
+        return
+    if args.sequence_fixtures:
+        write_sequence_fixtures(cache, args.sequence_fixtures)
         return
     if not args.index_only:
         for source in args.sources.split(","):
