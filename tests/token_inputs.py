@@ -10,29 +10,34 @@ from microtrain.format.model import buffer_array, load_model, op_name, tensor_dt
 LOOKUPS = {"GATHER": (0, 1), "EMBEDDING_LOOKUP": (1, 0)}  # (table, ids) operand positions
 
 
-def id_limit(model, graph, tensor: int) -> int | None:
-    """The number of rows of the smallest constant table that ids flowing from `tensor` index
-    (through any operators on the way, such as Keras's wrap of negative ids); None if they
-    index none (a padding mask)."""
+def indexed_tables(model, graph, tensor: int) -> list[int]:
+    """The constant tables (tensor indices) that ids flowing from `tensor` index, through any
+    operators on the way (such as Keras's wrap of negative ids)."""
     consumers = {}
     for op in graph.operators:
         for i in op.inputs:
             consumers.setdefault(i, []).append(op)
-    limits, seen, frontier = [], {tensor}, [tensor]
+    tables, seen, frontier = [], {tensor}, [tensor]
     while frontier:
         t = frontier.pop()
         for op in consumers.get(t, []):
             table, ids = LOOKUPS.get(op_name(model, op), (None, None))
-            if table is not None and op.inputs[ids] == t:
-                constant = buffer_array(model, graph.tensors[op.inputs[table]])
-                if constant is not None:
-                    limits.append(int(constant.shape[0]))
-                    continue
+            if table is not None and op.inputs[ids] == t \
+                    and buffer_array(model, graph.tensors[op.inputs[table]]) is not None:
+                tables.append(op.inputs[table])
+                continue
             for out in op.outputs:
                 if out not in seen:
                     seen.add(out)
                     frontier.append(out)
-    return min(limits) if limits else None
+    return tables
+
+
+def embedding_tables(path: Path) -> set[str]:
+    """The names of the tables the model's inputs index: its embeddings."""
+    model = load_model(path)
+    graph = model.subgraphs[0]
+    return {graph.tensors[t].name for i in graph.inputs for t in indexed_tables(model, graph, i)}
 
 
 def sample_inputs(path: Path, samples: int, rng) -> list[np.ndarray]:
@@ -46,8 +51,8 @@ def sample_inputs(path: Path, samples: int, rng) -> list[np.ndarray]:
         tensor = graph.tensors[i]
         shape, dtype = (samples, *tensor.shape[1:]), tensor_dtype(tensor)
         if np.issubdtype(dtype, np.integer):
-            limit = id_limit(model, graph, i)
-            batch.append(rng.integers(0, limit, shape).astype(dtype) if limit
+            rows = [graph.tensors[t].shape[0] for t in indexed_tables(model, graph, i)]
+            batch.append(rng.integers(0, min(rows), shape).astype(dtype) if rows
                          else np.ones(shape, dtype))
         else:
             batch.append(rng.random(shape, dtype=np.float32))
