@@ -168,8 +168,12 @@ def _drop_unread(model, tensors: set[int]) -> None:
 
 def untie_weights(model) -> int:
     """Give every weighted operator its own copy of a weight or bias that another
-    operator also reads (converters store identical constants once), so that
-    training it trains that operator alone.  Returns the number of copies made."""
+    operator also reads when it holds one value throughout (converters store
+    identical initial constants once: zero biases, unit scales), so that training
+    it trains that operator alone.  A shared constant of differing values is a tie
+    the model means (GPT-2's token embedding and output layer): it stays one
+    weight, trained by the sum of its uses' gradients.  Returns the number of
+    copies made."""
     sg = model.subgraphs[0]
     uses: dict[int, int] = {}
     for op in sg.operators:
@@ -183,13 +187,18 @@ def untie_weights(model) -> int:
             if position is None or position >= len(inputs) or inputs[position] < 0:
                 continue
             t = inputs[position]
-            if uses.get(t, 0) > 1 and _is_constant(model, sg.tensors[t]):
+            if uses.get(t, 0) > 1 and _is_constant(model, sg.tensors[t]) and \
+                    _uniform(buffer_array(model, sg.tensors[t])):
                 inputs[position] = _copy(model, t, f"{sg.tensors[t].name}@op{k}")
                 shared.add(t)
                 copies += 1
         op.inputs = inputs
     _drop_unread(model, shared)
     return copies
+
+
+def _uniform(value: np.ndarray | None) -> bool:
+    return value is not None and (value.size == 0 or bool(np.all(value == value.flat[0])))
 
 
 def _copy(model, t: int, name: str) -> int:
