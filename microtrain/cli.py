@@ -4,7 +4,8 @@ import sys
 import click
 
 from . import session
-from .cli_common import FORCE_OPTION, CommandGroup, defaults_text, parameter_options, print_json
+from .cli_common import (FORCE_OPTION, CommandGroup, defaults_text, embedding_update_option,
+                         parameter_options, print_json)
 from .federated.settings import DEFAULTS as FED, STRATEGIES, TRANSMIT, FederatedSettings
 from .files import check_output
 from .loss_scale import ADAPTIVE_DEFAULTS, DYNAMIC_DEFAULTS
@@ -127,6 +128,7 @@ def main():
                    f"Default: {ADAPTIVE_DEFAULTS['threshold']:g}.")
 @click.option("--accum-steps", default=1, show_default=True, type=click.IntRange(1),
               help="Accumulate the gradients of this many batches before each update.")
+@embedding_update_option()
 @click.option("--checkpoint", type=click.Path(dir_okay=False),
               help="Save weights, optimizer and RNG state here after every epoch.")
 @click.option("--resume", is_flag=True, help="Continue from --checkpoint.")

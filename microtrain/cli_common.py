@@ -7,6 +7,7 @@ import click
 
 from .contracts import TrainingParameters
 from .errors import UserError
+from .lazy import DEFAULT_EMBEDDING_UPDATE, EMBEDDING_UPDATES
 from .optimizers import DEFAULTS as OPTIMIZER_DEFAULTS, OPTIMIZERS
 
 
@@ -46,6 +47,17 @@ def print_json(document) -> None:
 def defaults_text(table: dict) -> str:
     return "; ".join(f"{name}: " + (", ".join(f"{k}={v}" for k, v in opts.items()) or "-")
                      for name, opts in table.items())
+
+
+def embedding_update_option(purpose: str = ""):
+    """--embedding-update, as `microtrain run` and the memory estimates offer it."""
+    return click.option(
+        "--embedding-update", type=click.Choice(list(EMBEDDING_UPDATES)),
+        default=DEFAULT_EMBEDDING_UPDATE, show_default=True,
+        help=f"How embedding tables (GATHER/EMBEDDING_LOOKUP on a trained table) update{purpose}: "
+             + "; ".join(f"{k}: {v}" for k, v in EMBEDDING_UPDATES.items())
+             + ". lazy holds a table's gradient as the touched rows only; it needs fp32 and "
+               "no loss scaling; a table also read as a dense layer's weight stays dense.")
 
 
 # The training parameters' options, as both command lines offer them; unset they

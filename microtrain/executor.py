@@ -18,6 +18,7 @@ from .errors import OperatorError, UserError
 from .graph import BATCH, Graph, batched, concrete_shape
 from .kernels import KERNELS, ROW_SUMS, ROW_WISE, prepare, version_problem
 from .kernels.workspace import Workspace, begin_kernel, scratch, sharing
+from .lazy import RowGrad
 from .loss_scale import LossScale
 from .precision import (F32, HALF, Underflow, dtype_of, in_sequence, narrow, narrow_work,
                         reduced, round_in_place, round_spans, storage, widen)
@@ -46,9 +47,14 @@ class Memory:
     tensor.  With fp16 weights the graphs read a rounded working copy, refreshed
     after every update.  Tensors placed by the memory plan are views into one
     arena (microtrain/arena.py); the others get arrays of their own.  The
-    kernels' temporaries live in `workspace` (None: each kernel keeps its own)."""
+    kernels' temporaries live in `workspace` (None: each kernel keeps its own).
+    The tables in `lazy` (microtrain/lazy.py) have no place in the gradient
+    buffer: their gradient is the rows a step touched, in `row_grads`."""
 
-    def __init__(self, art: Artifacts, batch: int):
+    def __init__(self, art: Artifacts, batch: int, lazy: dict | None = None):
+        self.lazy = lazy or {}
+        self.row_grads = {t: RowGrad(table.capacity(), table.width)
+                          for t, table in self.lazy.items()}
         self.weight_dtype = dtype_of(precision(art).weights)
         self.half_weights = reduced(self.weight_dtype)
         working_views = self._lay_out_weights(art)
@@ -61,7 +67,7 @@ class Memory:
         if art.backprop is not None:
             aliases = self._planned(art.backprop, "backprop")
             aliases.update({b: self.forward[f] for b, f in art.links.forward})
-            aliases.update({g: self.grad_views[t] for g, t in art.links.gradients})
+            aliases.update({g: self.grad_views.get(t, _NO_GRADIENT) for g, t in art.links.gradients})
             self.backprop = self._allocate(art.backprop, batch, aliases)
         self.workspace: Workspace | None = Workspace()
 
@@ -75,15 +81,13 @@ class Memory:
         lead, tail = spans[first][0], art.weights[last].size - spans[last][1]
         backing = np.empty(lead + ends[-1] + tail, np.float32)
         self.params = backing[lead:lead + ends[-1]]  # fp32 master copy of all trained elements
-        self.grads = np.zeros(ends[-1], np.float32)
-        self.param_views, self.grad_views = {}, {}
+        self.param_views = {}
         starts = {t: lead + self.offsets[t][0] - spans[t][0] for t in spans}
         for t, start in starts.items():
             w = art.weights[t]
             self.param_views[t] = backing[start:start + w.size].reshape(w.shape)
             self.param_views[t][...] = w
-            lo, hi = self.offsets[t]
-            self.grad_views[t] = self.grads[lo:hi].reshape((-1,) + w.shape[1:])
+        self._lay_out_gradients(art)
         if not self.half_weights:
             self.working = self.params
             return dict(self.param_views)
@@ -92,6 +96,25 @@ class Memory:
         self.round_working: list = []  # set by compile_plan, over the workspace
         return {t: working[start:start + art.weights[t].size].reshape(art.weights[t].shape)
                 for t, start in starts.items()}
+
+    def _lay_out_gradients(self, art: Artifacts) -> None:
+        """The flat gradient buffer of the weights that update densely, each
+        one's place in it (`grad_offsets`) and the runs of them that lie
+        together in the weights (`dense_spans`: weights lo, hi, gradient lo)."""
+        dense = [t for t in self.offsets if t not in self.lazy]
+        sizes = [self.offsets[t][1] - self.offsets[t][0] for t in dense]
+        ends = np.cumsum([0] + sizes).astype(int)
+        self.grad_offsets = {t: (int(lo), int(hi)) for t, lo, hi in zip(dense, ends, ends[1:])}
+        self.grads = np.zeros(ends[-1], np.float32)
+        self.grad_views = {t: self.grads[lo:hi].reshape((-1,) + art.weights[t].shape[1:])
+                           for t, (lo, hi) in self.grad_offsets.items()}
+        self.dense_spans = []
+        for t in dense:
+            (lo, hi), start = self.offsets[t], self.grad_offsets[t][0]
+            if self.dense_spans and self.dense_spans[-1][1] == lo:
+                self.dense_spans[-1][1] = hi
+            else:
+                self.dense_spans.append([lo, hi, start])
 
     def refresh_weights(self) -> None:
         """Round the master weights into the fp16 working copy."""
@@ -118,6 +141,9 @@ class Memory:
             else:
                 arrays.append(np.zeros(concrete_shape(t.shape, batch), storage(t.dtype)))
         return arrays
+
+
+_NO_GRADIENT = np.zeros(0, np.float32)  # a lazy table's gradient tensor (RowGrad holds it)
 
 
 def _check_affordable(art: Artifacts, plan, batch: int) -> None:
@@ -211,8 +237,12 @@ class Hooks:
     float32 scratch, loss scaling in the backprop graph, then storing every
     tensor declared fp16 rounded (counting gradient underflow)."""
 
-    def __init__(self, art: Artifacts, scaler: LossScale, underflow: Underflow):
+    def __init__(self, art: Artifacts, scaler: LossScale, underflow: Underflow,
+                 memory: Memory | None = None):
         self.backprop, self.scaler, self.underflow = art.backprop, scaler, underflow
+        # a lazy table's gradient tensor -> the RowGrad its GatherGrad writes instead
+        self.row_grads = {table.grad: memory.row_grads[t]
+                          for t, table in memory.lazy.items()} if memory else {}
         self.paths = {"forward": art.frozen_path, "backprop": art.backprop_path}
         # backprop tensor of each weight gradient -> the forward (weight) tensor
         self.weight_grads = dict(art.links.gradients) if art.links else {}
@@ -276,6 +306,10 @@ class Hooks:
         begin_kernel()  # the float32 copies below and the kernel's scratch share one layout
         inputs = [arrays[i] if i >= 0 else None for i in op.inputs]
         outputs = [arrays[i] for i in op.outputs]
+        if g is self.backprop and op.outputs[0] in self.row_grads:  # fp32 only (lazy.py)
+            rows = self.row_grads[op.outputs[0]]
+            return [prepare("GatherRowsGrad", inputs, [rows.ids, rows.values, rows.counter],
+                            rows=g.tensors[op.outputs[0]].shape[0], **op.options)]
         rows = None if backprop and self.scaler.hooks(op) else _tile_rows(g, op, inputs, outputs)
         if rows:
             return [self._tiled(g, op, inputs, outputs, rows, backprop)]

@@ -3,7 +3,11 @@
 The trainer keeps every trainable weight in one flat buffer, so an optimizer sees
 one parameter vector and one gradient vector.  Each optimizer allocates its state
 and scratch vectors once; `apply` then works only through ufuncs writing into
-those buffers, so a training step allocates nothing here.
+those buffers, so a training step allocates nothing here.  `apply` updates the
+weights in spans of that vector, and embedding tables that update lazily
+(microtrain/lazy.py) in the rows their gradient touched: each span or set of
+rows goes through the same per-element rule (`_update`), after the step's
+scalars (`_coefficients`: bias corrections of the global step) are formed once.
 
 Formulas follow keras/src/optimizers/*.py (Keras 3): scalars are rounded to
 float32 as Keras casts them to the variable's dtype, and weight decay, when set,
@@ -63,7 +67,10 @@ class Optimizer:
     defaults: dict = {}
     scratch = 2   # number of scratch vectors the update needs
 
-    def __init__(self, size: int, **hyperparameters):
+    def __init__(self, size: int, dense: int | None = None, lazy_rows: int = 0,
+                 **hyperparameters):
+        """`size` weights, of which at most `dense` (default: all) update densely
+        and at most `lazy_rows` elements in the touched rows of lazy tables."""
         unknown = set(hyperparameters) - set(self.defaults)
         if unknown:   # make_optimizer reports these to users; here it is a bug
             raise TypeError(f"{type(self).__name__} got unknown hyperparameters {unknown}")
@@ -73,16 +80,26 @@ class Optimizer:
         self.size = size
         self.iterations = 0
         self._state: dict[str, np.ndarray] = {}
-        self._tmp = [np.empty(size, f32) for _ in range(self._scratch_vectors())]
+        self._slots: dict[str, np.ndarray] = {}  # the per-weight state arrays
+        span = max(size if dense is None else dense, lazy_rows)
+        self._tmp = [np.empty(span, f32) for _ in range(self._scratch_vectors())]
+        self._lazy_rows = lazy_rows
+        # a lazy table's touched rows of the weights and of each state array
+        self._rows = {"weights": np.empty(lazy_rows, f32)}
         wd = self._config.get("weight_decay")
         self._weight_decay = f32(wd) if wd else None
 
     def _scratch_vectors(self) -> int:
         return self.scratch
 
-    def _slot(self, name: str, fill: float = 0.0, shape=None) -> np.ndarray:
-        """Allocate one named state array (per-parameter unless `shape` is given)."""
-        self._state[name] = np.full(self.size if shape is None else shape, fill, f32)
+    def _slot(self, name: str, fill: float = 0.0) -> None:
+        """Allocate one named per-weight state array, and room for its lazy rows."""
+        self._state[name] = self._slots[name] = np.full(self.size, fill, f32)
+        self._rows[name] = np.empty(self._lazy_rows, f32)
+
+    def _scalar(self, name: str, value: float) -> np.ndarray:
+        """Allocate one named state scalar (updated once a step)."""
+        self._state[name] = np.full((), value, f32)
         return self._state[name]
 
     def config(self) -> dict:
@@ -93,19 +110,54 @@ class Optimizer:
         """The base learning rate; `apply` takes the (scheduled) rate of each step."""
         return self._config["learning_rate"]
 
-    def apply(self, params: np.ndarray, grads: np.ndarray, lr: float) -> None:
-        """One update of `params` (float32, in place) with `grads` at learning rate
-        `lr`; `grads` may be overwritten (the trainer's next step rewrites them)."""
+    def apply(self, params: np.ndarray, grads: np.ndarray, lr: float, spans=None,
+              tables=()) -> None:
+        """One update of `params` (float32, in place) at learning rate `lr`:
+        params[lo:hi] with grads[at:at + hi - lo] for each (lo, hi, at) of
+        `spans` (default: all with all), and for each (lo, hi, RowGrad) of
+        `tables` only the rows it touched of the table at params[lo:hi], weight
+        decay included.  `grads` and the RowGrads may
+        be overwritten (the trainer's next step rewrites them)."""
         lr = f32(lr)
+        c = self._coefficients(lr, self.iterations + 1)
+        for lo, hi, at in spans or [(0, self.size, 0)]:
+            self._step(params[lo:hi], grads[at:at + hi - lo],
+                       {name: a[lo:hi] for name, a in self._slots.items()}, lr, c)
+        for lo, hi, grad in tables:
+            self._step_rows(params, lo, hi, grad, lr, c)
+        self.iterations += 1
+
+    def _step_rows(self, params, lo: int, hi: int, grad, lr, c) -> None:
+        """Gather the touched rows of the table at params[lo:hi] and of its
+        state, update them with their gradient, scatter them back."""
+        ids, values = grad.touched()
+        width = values.shape[1]
+        tables = {name: a[lo:hi].reshape(-1, width)
+                  for name, a in {"weights": params, **self._slots}.items()}
+        rows = {name: self._rows[name][:ids.size * width].reshape(-1, width) for name in tables}
+        for name, table in tables.items():
+            np.take(table, ids, axis=0, out=rows[name])
+        state = {name: rows[name].reshape(-1) for name in self._slots}
+        self._step(rows["weights"].reshape(-1), values.reshape(-1), state, lr, c)
+        for name, table in tables.items():
+            table[ids] = rows[name]
+
+    def _step(self, params, grads, slots: dict, lr, c) -> None:
+        """Weight decay and the update of the aligned vectors `params`, `grads`
+        and `slots` (state arrays by name), with scratch cut to their length."""
+        tmp = [t[:params.size] for t in self._tmp]
         if self._weight_decay is not None:
-            t = self._tmp[0]
+            t = tmp[0]
             np.multiply(params, self._weight_decay, out=t)
             t *= lr
             params -= t
-        self._update(params, grads, lr, self.iterations + 1)
-        self.iterations += 1
+        self._update(params, grads, slots, tmp, lr, c)
 
-    def _update(self, params, grads, lr, step):
+    def _coefficients(self, lr, step) -> tuple:
+        """The scalars of step `step` every span uses (advancing any state scalar)."""
+        return ()
+
+    def _update(self, params, grads, slots, tmp, lr, c):
         raise NotImplementedError
 
     def state(self) -> dict[str, np.ndarray]:
@@ -131,10 +183,11 @@ class SGD(Optimizer):
 
     defaults = dict(learning_rate=0.01, momentum=0.0, nesterov=False, weight_decay=None)
 
-    def __init__(self, size, **hyperparameters):
-        super().__init__(size, **hyperparameters)
+    def __init__(self, size, **kwargs):
+        super().__init__(size, **kwargs)
         self._momentum = f32(self._config["momentum"])
-        self._velocity = self._slot("momentum") if self._momentum != 0 else None
+        if self._momentum != 0:
+            self._slot("momentum")
 
     def _scratch_vectors(self) -> int:
         """Plain SGD needs none (lr * g is formed in the gradient vector, which
@@ -142,17 +195,17 @@ class SGD(Optimizer):
         nesterov = self._config["nesterov"] and self._config["momentum"] != 0
         return int(nesterov or bool(self._config.get("weight_decay")))
 
-    def _update(self, params, grads, lr, step):
+    def _update(self, params, grads, slots, tmp, lr, c):
         lr_g = grads
         np.multiply(grads, lr, out=lr_g)
-        m = self._velocity
+        m = slots.get("momentum")
         if m is None:
             params -= lr_g
             return
         m *= self._momentum
         m -= lr_g
         if self._config["nesterov"]:
-            t = self._tmp[0]
+            t = tmp[0]
             np.multiply(m, self._momentum, out=t)
             t -= lr_g
             params += t
@@ -167,25 +220,29 @@ class Adam(Optimizer):
     defaults = dict(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                     amsgrad=False, weight_decay=None)
 
-    def __init__(self, size, **hyperparameters):
-        super().__init__(size, **hyperparameters)
+    def __init__(self, size, **kwargs):
+        super().__init__(size, **kwargs)
         c = self._config
         self._b1, self._b2, self._eps = f32(c["beta_1"]), f32(c["beta_2"]), f32(c["epsilon"])
-        self._m, self._v = self._slot("momentum"), self._slot("velocity")
-        self._v_hat = self._slot("velocity_hat") if c["amsgrad"] else None
+        self._slot("momentum")
+        self._slot("velocity")
+        if c["amsgrad"]:
+            self._slot("velocity_hat")
 
-    def _update(self, params, grads, lr, step):
-        s, d = self._tmp
+    def _coefficients(self, lr, step):
         t = f32(step)
-        alpha = lr * np.sqrt(f32(1) - self._b2 ** t) / (f32(1) - self._b1 ** t)
-        _moving_average(self._m, grads, 1 - self._config["beta_1"], s)
+        return lr * np.sqrt(f32(1) - self._b2 ** t) / (f32(1) - self._b1 ** t)
+
+    def _update(self, params, grads, slots, tmp, lr, alpha):
+        s, d = tmp
+        m, v = slots["momentum"], slots["velocity"]
+        _moving_average(m, grads, 1 - self._config["beta_1"], s)
         np.square(grads, out=s)
-        _moving_average(self._v, s, 1 - self._config["beta_2"], s)
-        v = self._v
-        if self._v_hat is not None:
-            np.maximum(self._v_hat, v, out=self._v_hat)
-            v = self._v_hat
-        np.multiply(self._m, alpha, out=s)
+        _moving_average(v, s, 1 - self._config["beta_2"], s)
+        if "velocity_hat" in slots:
+            np.maximum(slots["velocity_hat"], v, out=slots["velocity_hat"])
+            v = slots["velocity_hat"]
+        np.multiply(m, alpha, out=s)
         np.sqrt(v, out=d)
         d += self._eps
         s /= d
@@ -199,39 +256,42 @@ class RMSprop(Optimizer):
     defaults = dict(learning_rate=0.001, rho=0.9, momentum=0.0, epsilon=1e-7,
                     centered=False, weight_decay=None)
 
-    def __init__(self, size, **hyperparameters):
-        super().__init__(size, **hyperparameters)
+    def __init__(self, size, **kwargs):
+        super().__init__(size, **kwargs)
         c = self._config
         self._rho, self._eps = f32(c["rho"]), f32(c["epsilon"])
         self._one_minus_rho = f32(1 - c["rho"])
-        self._v = self._slot("velocity")
-        self._mom = self._slot("momentum") if c["momentum"] > 0 else None
-        self._avg = self._slot("average_gradient") if c["centered"] else None
+        self._slot("velocity")
+        if c["momentum"] > 0:
+            self._slot("momentum")
+        if c["centered"]:
+            self._slot("average_gradient")
 
     def _decay(self, avg, x):
         avg *= self._rho
         x *= self._one_minus_rho
         avg += x
 
-    def _update(self, params, grads, lr, step):
-        s, d = self._tmp
+    def _update(self, params, grads, slots, tmp, lr, c):
+        s, d = tmp
+        v, avg, mom = slots["velocity"], slots.get("average_gradient"), slots.get("momentum")
         np.square(grads, out=s)
-        self._decay(self._v, s)
-        if self._avg is not None:
+        self._decay(v, s)
+        if avg is not None:
             np.copyto(s, grads)
-            self._decay(self._avg, s)
-            np.square(self._avg, out=s)
-            np.subtract(self._v, s, out=d)
+            self._decay(avg, s)
+            np.square(avg, out=s)
+            np.subtract(v, s, out=d)
         else:
-            np.copyto(d, self._v)
+            np.copyto(d, v)
         d += self._eps
         np.sqrt(d, out=d)
         np.multiply(grads, lr, out=s)
         s /= d
-        if self._mom is not None:
-            self._mom *= f32(self._config["momentum"])
-            self._mom += s
-            s = self._mom
+        if mom is not None:
+            mom *= f32(self._config["momentum"])
+            mom += s
+            s = mom
         params -= s
 
 
@@ -241,16 +301,17 @@ class Adagrad(Optimizer):
     defaults = dict(learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
                     weight_decay=None)
 
-    def __init__(self, size, **hyperparameters):
-        super().__init__(size, **hyperparameters)
+    def __init__(self, size, **kwargs):
+        super().__init__(size, **kwargs)
         self._eps = f32(self._config["epsilon"])
-        self._acc = self._slot("accumulator", self._config["initial_accumulator_value"])
+        self._slot("accumulator", self._config["initial_accumulator_value"])
 
-    def _update(self, params, grads, lr, step):
-        s, d = self._tmp
+    def _update(self, params, grads, slots, tmp, lr, c):
+        s, d = tmp
+        acc = slots["accumulator"]
         np.square(grads, out=s)
-        self._acc += s
-        np.add(self._acc, self._eps, out=d)
+        acc += s
+        np.add(acc, self._eps, out=d)
         np.sqrt(d, out=d)
         np.multiply(grads, lr, out=s)
         s /= d
@@ -263,21 +324,26 @@ class Adamax(Optimizer):
     defaults = dict(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                     weight_decay=None)
 
-    def __init__(self, size, **hyperparameters):
-        super().__init__(size, **hyperparameters)
+    def __init__(self, size, **kwargs):
+        super().__init__(size, **kwargs)
         c = self._config
         self._b1, self._b2, self._eps = f32(c["beta_1"]), f32(c["beta_2"]), f32(c["epsilon"])
-        self._m, self._u = self._slot("m"), self._slot("u")
+        self._slot("m")
+        self._slot("u")
 
-    def _update(self, params, grads, lr, step):
-        s, d = self._tmp
-        _moving_average(self._m, grads, 1 - self._config["beta_1"], s)
-        self._u *= self._b2
+    def _coefficients(self, lr, step):
+        return f32(1) - self._b1 ** f32(step)
+
+    def _update(self, params, grads, slots, tmp, lr, correction):
+        s, d = tmp
+        m, u = slots["m"], slots["u"]
+        _moving_average(m, grads, 1 - self._config["beta_1"], s)
+        u *= self._b2
         np.abs(grads, out=s)
-        np.maximum(self._u, s, out=self._u)
-        np.add(self._u, self._eps, out=d)
-        d *= f32(1) - self._b1 ** f32(step)
-        np.multiply(self._m, lr, out=s)
+        np.maximum(u, s, out=u)
+        np.add(u, self._eps, out=d)
+        d *= correction
+        np.multiply(m, lr, out=s)
         s /= d
         params -= s
 
@@ -290,32 +356,37 @@ class Nadam(Optimizer):
                     weight_decay=None)
     scratch = 3
 
-    def __init__(self, size, **hyperparameters):
-        super().__init__(size, **hyperparameters)
+    def __init__(self, size, **kwargs):
+        super().__init__(size, **kwargs)
         c = self._config
         self._b1, self._b2, self._eps = f32(c["beta_1"]), f32(c["beta_2"]), f32(c["epsilon"])
-        self._m, self._v = self._slot("momentum"), self._slot("velocity")
-        self._u_product = self._slot("u_product", 1.0, shape=())
+        self._slot("momentum")
+        self._slot("velocity")
+        self._u_product = self._scalar("u_product", 1.0)
 
     def _mu(self, t):
         return self._b1 * (f32(1) - f32(0.5) * f32(0.96) ** f32(t))
 
-    def _update(self, params, grads, lr, step):
-        s, d, e = self._tmp
+    def _coefficients(self, lr, step):
+        """(m_coef, g_coef, v_coef) of step `step`, advancing the schedule's product."""
         u_t, u_next = self._mu(step), self._mu(step + 1)
         self._u_product *= u_t
         u_product = self._u_product[()]
-        m_coef = u_next / (f32(1) - u_product * u_next)
-        g_coef = (f32(1) - u_t) / (f32(1) - u_product)
-        v_coef = f32(1) / (f32(1) - self._b2 ** f32(step))
+        return (u_next / (f32(1) - u_product * u_next), (f32(1) - u_t) / (f32(1) - u_product),
+                f32(1) / (f32(1) - self._b2 ** f32(step)))
+
+    def _update(self, params, grads, slots, tmp, lr, coefficients):
+        s, d, e = tmp
+        m, v = slots["momentum"], slots["velocity"]
+        m_coef, g_coef, v_coef = coefficients
         # Unlike Adam, Keras's Nadam forms 1 - beta from the float32 betas.
-        _moving_average(self._m, grads, f32(1) - self._b1, s)
+        _moving_average(m, grads, f32(1) - self._b1, s)
         np.square(grads, out=s)
-        _moving_average(self._v, s, f32(1) - self._b2, s)
-        np.multiply(self._v, v_coef, out=d)     # v_hat
+        _moving_average(v, s, f32(1) - self._b2, s)
+        np.multiply(v, v_coef, out=d)     # v_hat
         np.sqrt(d, out=d)
         d += self._eps
-        np.multiply(self._m, m_coef, out=s)     # m_hat = m_coef m + g_coef g
+        np.multiply(m, m_coef, out=s)     # m_hat = m_coef m + g_coef g
         np.multiply(grads, g_coef, out=e)
         s += e
         s *= lr
@@ -340,8 +411,10 @@ DEFAULTS: dict[str, dict] = {name: {**cls.defaults, **changed}
                              for name, (cls, changed) in _PRESETS.items()}
 
 
-def make_optimizer(name: str, size: int, **given) -> Optimizer:
-    """The optimizer `name` over `size` parameters; `given` overrides DEFAULTS[name].
+def make_optimizer(name: str, size: int, dense: int | None = None, lazy_rows: int = 0,
+                   **given) -> Optimizer:
+    """The optimizer `name` over `size` parameters (`dense` and `lazy_rows`: see
+    Optimizer); `given` overrides DEFAULTS[name].
 
     A given value of None counts as not given, so a CLI can pass unset options through.
     """
@@ -352,4 +425,4 @@ def make_optimizer(name: str, size: int, **given) -> Optimizer:
     if unknown:
         raise UserError(None, f"optimizer {name} has no hyperparameter {', '.join(unknown)} "
                               f"(it takes {', '.join(DEFAULTS[name])})")
-    return OPTIMIZERS[name](size, **{**DEFAULTS[name], **given})
+    return OPTIMIZERS[name](size, dense=dense, lazy_rows=lazy_rows, **{**DEFAULTS[name], **given})

@@ -12,6 +12,7 @@ from .contracts import LossScaleState, RunState
 from .data import load_array, validation_split
 from .errors import UserError
 from .files import check_output
+from .lazy import DEFAULT_EMBEDDING_UPDATE
 from .loss_scale import make_loss_scale
 from .shuffle import Shuffler
 from .trainer import Trainer
@@ -133,6 +134,7 @@ def make_trainer(kw, with_backprop=True) -> Trainer:
                    lr_schedule=kw.get("lr_schedule", "constant"),
                    schedule_params=_given(kw, SCHEDULE_KEYS), metric=kw.get("metric"),
                    loss_scale=scale, accum_steps=kw.get("accum_steps") or 1,
+                   embedding_update=kw.get("embedding_update") or DEFAULT_EMBEDDING_UPDATE,
                    with_backprop=with_backprop, **_given(kw, OPTIMIZER_KEYS))
 
 

@@ -15,6 +15,7 @@ from .executor import Hooks, Memory, Plan, check_supported, compile_plan
 from .graph import symbolic_batch
 from .format.wof import write_wof
 from .kernels.workspace import sharing
+from .lazy import DEFAULT_EMBEDDING_UPDATE, RowSum, check_embedding_update, check_lazy, lazy_tables
 from .loss_scale import LossScale
 from .precision import Underflow
 from .metrics import HIGHER_IS_BETTER, METRICS, bind, default_metric
@@ -88,10 +89,12 @@ class Trainer:
                  lr_schedule: str = "constant",
                  schedule_params: dict | None = None, metric: str | None = None,
                  loss_scale: LossScale | None = None, accum_steps: int = 1,
-                 with_backprop: bool = True, **hyperparameters):
+                 with_backprop: bool = True, embedding_update: str = DEFAULT_EMBEDDING_UPDATE,
+                 **hyperparameters):
         """`batch_size`, `optimizer`, `epochs` (of `fit`) and the optimizer's
         hyperparameters default to the training parameters recorded in the frozen
-        model (see microtrain.parameters)."""
+        model (see microtrain.parameters).  `embedding_update`: how embedding
+        tables update (microtrain/lazy.py)."""
         self.art = load_artifacts(frozen, wof, backprop, with_backprop)
         check_supported(self.art)
         self.resolved = resolve(self.art.training.parameters, FROZEN_MODEL, optimizer, batch_size,
@@ -104,28 +107,42 @@ class Trainer:
         # see trainconf/batch.py) runs a batch one sample at a time, adding up the
         # samples' gradients before the update
         self.run_rows = batch_size if symbolic_batch(self.art.forward) else 1
-        self.memory = Memory(self.art, batch_size)
+        self.scaler = loss_scale or LossScale()
+        check_embedding_update(embedding_update)
+        self.embedding_update = embedding_update
+        lazy = {}
+        if embedding_update == "lazy" and self.art.backprop is not None:
+            check_lazy(self.art, self.scaler.kind)
+            lazy = lazy_tables(self.art, self.run_rows)
+        self.memory = Memory(self.art, batch_size, lazy)
         # the .wof's arrays (views of the file's bytes) are copied: read the runtime's instead
         self.art.weights = dict(self.memory.param_views)
         self.loss_name = self.art.training.loss
         self.metric = metric or default_metric(self.loss_name)
         if self.metric not in METRICS:
             raise UserError(None, f"unknown metric {self.metric!r} (choose from {', '.join(METRICS)})")
-        self.optimizer_name = optimizer
-        self.optimizer = make_optimizer(optimizer, self.memory.params.size,
-                                        **self.resolved.parameters.hyperparameters)
-        self.schedule = make_schedule(lr_schedule, self.optimizer.learning_rate,
-                                      **(schedule_params or {}))
-        self.scaler = loss_scale or LossScale()
-        if self.art.backprop is not None:
-            self.scaler.bind(self.art, self.memory.offsets)
-        self.underflow = Underflow()
-        self.hooks = Hooks(self.art, self.scaler, self.underflow)
         if accum_steps < 1:
             raise UserError(None, f"--accum-steps must be at least 1, got {accum_steps}")
         self.accum_steps = accum_steps
-        self._accum = np.zeros_like(self.memory.grads) \
-            if accum_steps > 1 or self.run_rows < batch_size else None
+        accumulating = accum_steps > 1 or self.run_rows < batch_size
+        self._accum = np.zeros_like(self.memory.grads) if accumulating else None
+        # a lazy table's touched rows summed over the runs of an effective batch
+        runs = accum_steps * -(-batch_size // self.run_rows)
+        self._row_accum = {t: RowSum(table.capacity(runs), table.width, table.rows)
+                           for t, table in lazy.items()} if accumulating else {}
+        self.optimizer_name = optimizer
+        row_grads = self._row_accum or self.memory.row_grads
+        self.optimizer = make_optimizer(
+            optimizer, self.memory.params.size, dense=self.memory.grads.size,
+            lazy_rows=max((g.values.size for g in row_grads.values()), default=0),
+            **self.resolved.parameters.hyperparameters)
+        self._tables = [(*self.memory.offsets[t], g) for t, g in row_grads.items()]
+        self.schedule = make_schedule(lr_schedule, self.optimizer.learning_rate,
+                                      **(schedule_params or {}))
+        if self.art.backprop is not None:
+            self.scaler.bind(self.art, self.memory.grad_offsets)
+        self.underflow = Underflow()
+        self.hooks = Hooks(self.art, self.scaler, self.underflow, self.memory)
         self._snapshot = np.empty_like(self.memory.params)  # the weights at an epoch's start
         self._accum_weight, self._accum_count = 0, 0
         self.epoch = 0
@@ -241,6 +258,8 @@ class Trainer:
             else:
                 weight = self._weight(len(part))
                 self._accum += self.memory.grads * np.float32(weight)
+                for t, rows in self._row_accum.items():
+                    rows.add(self.memory.row_grads[t], np.float32(weight))
                 self._accum_weight += weight
             self._measure(totals, loss, len(part))
         if self._accum is not None:
@@ -254,19 +273,28 @@ class Trainer:
             return
         if self.art.training.reduction == "mean":
             self._accum /= np.float32(self._accum_weight)
+            for rows in self._row_accum.values():
+                rows.touched()[1][...] /= np.float32(self._accum_weight)
         self._update(self._accum)
         self._accum[...] = 0
+        for rows in self._row_accum.values():
+            rows.clear()
         self._accum_weight = self._accum_count = 0
 
     def _update(self, grads: np.ndarray) -> None:
-        """Unscale and apply `grads` unless they hold inf/NaN (then the loss scale decides)."""
+        """Unscale and apply `grads` (and the lazy tables' touched rows) unless
+        they hold inf/NaN (then the loss scale decides)."""
         finite = self.scaler.kind == "none" or bool(np.isfinite(grads).all())
         if finite:
             self.scaler.unscale(grads)
             if self.proximal is not None:
+                if self._tables:
+                    raise UserError(None, "FedProx's proximal term moves every row of a table: "
+                                          "train with --embedding-update dense")
                 mu, anchor = self.proximal
                 grads += np.float32(mu) * (self.memory.params - anchor)
-            self.optimizer.apply(self.memory.params, grads, self.schedule(self.optimizer.iterations))
+            self.optimizer.apply(self.memory.params, grads, self.schedule(self.optimizer.iterations),
+                                 self.memory.dense_spans, self._tables)
             self.memory.refresh_weights()
         self.scaler.update(finite)
 
@@ -345,6 +373,7 @@ class Trainer:
         if len(xs[0]) > self.batch_size:
             raise UserError(None, f"{len(xs[0])} samples do not fit one batch of {self.batch_size}")
         loss, grads, total = 0.0, np.zeros_like(self.memory.grads), 0
+        tables = {t: np.zeros_like(self.memory.param_views[t]) for t in self.memory.lazy}
         for part in self._parts(np.arange(len(xs[0]))):
             plan = self._plan(len(part))
             self._load(plan, xs, ts, part)
@@ -353,11 +382,16 @@ class Trainer:
             weight = self._weight(len(part))
             loss += float(plan.loss[0]) * weight
             grads += self.memory.grads * np.float32(weight)
+            for t, table in tables.items():
+                ids, values = self.memory.row_grads[t].touched()
+                table[ids] += values.reshape((-1,) + table.shape[1:]) * np.float32(weight)
             total += weight
         if self.art.training.reduction == "mean":
             loss, grads = loss / total, grads / np.float32(total)
-        return loss, {t: grads[lo:hi].reshape(self.memory.grad_views[t].shape)
-                      for t, (lo, hi) in self.memory.offsets.items()}
+            for table in tables.values():
+                table /= np.float32(total)
+        return loss, {**{t: grads[lo:hi].reshape(self.memory.grad_views[t].shape)
+                         for t, (lo, hi) in self.memory.grad_offsets.items()}, **tables}
 
     # -- evaluation ---------------------------------------------------------------------------
     def _batches(self, n: int):

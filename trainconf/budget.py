@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from microtrain.errors import UserError
 from microtrain.graph import Graph, Op
+from microtrain.lazy import DEFAULT_EMBEDDING_UPDATE
 
 from .operators import spec
 from .select import bias_of, kernel_of, weighted_ops
@@ -95,7 +96,8 @@ def _last_fitting(fits, lo: int, hi: int) -> int:
     return lo
 
 
-def fit_budget(make, g: Graph, budget: int, batch: int, optimizer: str, accum_steps: int = 1):
+def fit_budget(make, g: Graph, budget: int, batch: int, optimizer: str, accum_steps: int = 1,
+               embedding_update: str = DEFAULT_EMBEDDING_UPDATE):
     """The largest choice whose planned peak fits `budget` bytes: its Built
     (make(choose) builds one choice) and a summary of the choice."""
     choices = stages(g)
@@ -104,7 +106,7 @@ def fit_budget(make, g: Graph, budget: int, batch: int, optimizer: str, accum_st
     def peak_of(i: int, k: int = 1) -> int:
         if (i, k) not in built:
             b = make(lambda graph: choices[i].choose(graph, k))
-            built[i, k] = b, b.peak(batch, optimizer, accum_steps)["total"]
+            built[i, k] = b, b.peak(batch, optimizer, accum_steps, embedding_update)["total"]
         return built[i, k][1]
     if peak_of(0) > budget:
         raise UserError(None, f"--memory-budget {budget} bytes: even the smallest trainable set "

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import click
 
-from microtrain.cli_common import FORCE_OPTION, CommandGroup, parameter_options, print_json
+from microtrain.cli_common import (FORCE_OPTION, CommandGroup, embedding_update_option,
+                                   parameter_options, print_json)
 from microtrain.files import check_output
 from microtrain.format.model import load_model
 
@@ -44,8 +45,9 @@ JSON_OPTION = click.option("--json", "as_json", is_flag=True,
 
 def estimate_options(recorded: str, names: list[str], purpose: str):
     """The training parameters in `names` (see microtrain.cli_common.parameter_options),
-    and --accum-steps: what a planned peak memory is estimated for."""
+    --accum-steps and --embedding-update: what a planned peak memory is estimated for."""
     def decorate(fn):
+        fn = embedding_update_option(" in the memory estimate, as microtrain run's")(fn)
         fn = click.option("--accum-steps", type=click.IntRange(1), default=1, show_default=True,
                           help="Batches accumulated per update in the memory estimate (more "
                                "than 1 holds a second gradient vector), as microtrain run's.")(fn)
@@ -59,14 +61,14 @@ def estimate_options(recorded: str, names: list[str], purpose: str):
                   " of the memory estimate")
 @JSON_OPTION
 def inspect_command(model: Path, as_json: bool, optimizer: str | None, batch_size: int | None,
-                    accum_steps: int):
+                    accum_steps: int, embedding_update: str):
     """Show MODEL (.circle or .tflite): subgraphs, inputs and outputs (with a
     dynamic or fixed batch), every operator, constant tensors and totals; for a
     STEM.frozen.circle beside its .wof and backprop graph, the planned peak
     memory of a training step."""
     loaded = load_model(model)
     desc = describe(loaded)
-    memory = planned_memory(model, loaded, batch_size, optimizer, accum_steps)
+    memory = planned_memory(model, loaded, batch_size, optimizer, accum_steps, embedding_update)
     if memory:
         desc["memory"] = memory
     if as_json:

@@ -26,8 +26,9 @@ from microtrain.contracts import GraphLinks, MemoryPlan
 from microtrain.executor import Hooks, Memory, _trained_spans, compile_plan, precision
 from microtrain.precision import dtype_of, reduced
 from microtrain.precision import storage as runtime_dtype
-from microtrain.graph import Graph, batched, concrete_shape
+from microtrain.graph import Graph, batched, concrete_shape, symbolic_batch
 from microtrain.kernels.workspace import sharing
+from microtrain.lazy import DEFAULT_EMBEDDING_UPDATE, RowGrad, RowSum, lazy_tables
 from microtrain.loss_scale import LossScale
 from microtrain.metrics import bind, default_metric
 from microtrain.optimizers import make_optimizer
@@ -229,9 +230,40 @@ def measure_scratch(art: Artifacts, batch: int) -> list[int]:
     return _fit(at, scratch_points(batch))
 
 
-def optimizer_bytes(name: str, parameters: int) -> int:
-    """State and scratch vectors of optimizer `name` over `parameters` weights."""
-    return linear(_fit(lambda n: held_bytes(make_optimizer(name, n)), (1, 2)), parameters)
+def optimizer_bytes(name: str, parameters: int, dense: int | None = None, lazy_rows: int = 0) -> int:
+    """State and scratch vectors of optimizer `name` over `parameters` weights, of
+    which `dense` (default: all) update densely and at most `lazy_rows` elements
+    in a lazy table's touched rows (see microtrain.optimizers.Optimizer), measured
+    on small ones: linear in the weights, max(dense, lazy_rows) (its scratch) and
+    lazy_rows (the touched rows of the weights and the state)."""
+    def held(n, d, r):
+        return held_bytes(make_optimizer(name, n, dense=d, lazy_rows=r))
+    base = held(1, 1, 1)
+    per_weight, per_scratch = held(2, 1, 1) - base, held(1, 2, 1) - base
+    per_row = held(1, 1, 2) - held(1, 2, 1)
+    dense = parameters if dense is None else dense
+    return base + per_weight * (parameters - 1) + per_scratch * (max(dense, lazy_rows) - 1) \
+        + per_row * (lazy_rows - 1)
+
+
+def _gradient_bytes(art: Artifacts, batch: int, accum_steps: int, embedding_update: str,
+                    trained: int) -> tuple[int, int, int]:
+    """(bytes of the gradients, elements that update densely, elements of the
+    largest lazy table's touched rows):
+    the dense weights' gradient vector (and its running sum when accumulating, as
+    the trainer does for --accum-steps or a graph run a sample at a time) and
+    each lazy table's touched rows (and their running sum)."""
+    run_rows = batch if symbolic_batch(art.forward) else 1
+    accumulating = accum_steps > 1 or run_rows < batch
+    tables = lazy_tables(art, run_rows) if embedding_update == "lazy" else {}
+    dense = trained - sum(t.rows * t.width for t in tables.values())
+    runs = accum_steps * -(-batch // run_rows)
+    held = [RowGrad(t.capacity(), t.width) for t in tables.values()]
+    summed = [RowSum(t.capacity(runs), t.width, t.rows) for t in tables.values()] \
+        if accumulating else []
+    read = summed or held  # what the optimizer updates from
+    return (4 * dense * (2 if accumulating else 1) + held_bytes((held, summed)), dense,
+            max((g.values.size for g in read), default=0))
 
 
 def _own_arrays(art: Artifacts, batch: int) -> int:
@@ -261,15 +293,17 @@ def _loaded_files(art: Artifacts, files: dict[str, int]) -> int:
 
 
 def peak(art: Artifacts, batch: int, optimizer: str, files: dict[str, int],
-         accum_steps: int = 1) -> dict:
+         accum_steps: int = 1, embedding_update: str = DEFAULT_EMBEDDING_UPDATE) -> dict:
     """The bytes a training step at `batch` rows with `optimizer` (accumulating
-    `accum_steps` batches per update) holds, by part.  `files` are the sizes of
-    the three files ("frozen", "wof", "backprop")."""
+    `accum_steps` batches per update, embedding tables updating as
+    `embedding_update` says) holds, by part.  `files` are the sizes of the three
+    files ("frozen", "wof", "backprop")."""
     plan = art.links.memory
     stored = sum(w.size for w in art.weights.values())  # with the frozen rows of partial ones
     trained = sum(hi - lo for lo, hi in _trained_spans(art).values())
     weight_dtype = dtype_of(precision(art).weights)
     half = reduced(weight_dtype)
+    gradients, dense, lazy_rows = _gradient_bytes(art, batch, accum_steps, embedding_update, trained)
     parts = {
         "arena": linear(plan.arena, batch) + START_ALIGN,
         "kernel_scratch": linear(plan.kernel_scratch, batch),
@@ -277,14 +311,13 @@ def peak(art: Artifacts, batch: int, optimizer: str, files: dict[str, int],
         # the fp32 master (with frozen rows), its copy at each epoch's start (restored if
         # the run diverges) and, with fp16 weights, the working copy the graphs read
         "weights": 4 * stored + 4 * trained + (2 * stored if half else 0),
-        # the step's gradients, and their running sum when accumulating
-        "gradients": 4 * trained * (2 if accum_steps > 1 else 1),
-        "optimizer_state": optimizer_bytes(optimizer, trained),
+        "gradients": gradients,
+        "optimizer_state": optimizer_bytes(optimizer, trained, dense, lazy_rows),
         "constants": _constant_copies(art, weight_dtype),
         "files": _loaded_files(art, files),
     }
-    return {"batch_size": batch, "optimizer": optimizer, "accum_steps": accum_steps, **parts,
-            "total": sum(parts.values())}
+    return {"batch_size": batch, "optimizer": optimizer, "accum_steps": accum_steps,
+            "embedding_update": embedding_update, **parts, "total": sum(parts.values())}
 
 
 def peak_text(memory: dict) -> str:

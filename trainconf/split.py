@@ -7,6 +7,7 @@ import numpy as np
 
 from microtrain.artifacts import UNSEALED, Artifacts, fingerprint, seal
 from microtrain.atomic import PENDING, atomic_write_set
+from microtrain.lazy import DEFAULT_EMBEDDING_UPDATE
 from microtrain.contracts import GraphLinks, Precision, TrainingMeta, TrainingParameters
 from microtrain.errors import UserError
 from microtrain.files import check_output
@@ -188,14 +189,15 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
           weight_dtype: str | None = None, activation_dtype: str | None = None,
           grad_dtype: str | None = None, memory_budget: str | int | None = None,
           optimizer: str | None = None, batch_size: int | None = None, accum_steps: int = 1,
-          epochs: int | None = None, ignore_index: int | None = None, from_logits: bool = False,
+          embedding_update: str = DEFAULT_EMBEDDING_UPDATE, epochs: int | None = None, ignore_index: int | None = None, from_logits: bool = False,
           force: bool = False, **hyperparameters) -> SplitResult:
     """Write STEM.frozen.circle, STEM.wof and STEM.backprop.circle for MODEL.
     What is not given (None) comes from the model's circle+ CIRCLE_TRAINING when
     it has one, else the defaults; the training parameters (optimizer and its
     hyperparameters, batch size, epochs) are recorded for `microtrain run`.
-    The planned peak memory is estimated for the batch size, the optimizer and
-    `accum_steps` (batches accumulated per update); `ignore_index` and
+    The planned peak memory is estimated for the batch size, the optimizer,
+    `accum_steps` (batches accumulated per update) and `embedding_update` (how
+    embedding tables update, microtrain/lazy.py); `ignore_index` and
     `from_logits` qualify the loss (LossSpec); with `memory_budget`
     (bytes, or a size such as "64KiB") what trains is chosen so that it fits
     (trainconf/budget.py) instead of by `trainable`."""
@@ -221,8 +223,8 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
                                       "--trainable and --freeze-bias")
             graph = load_prepared(model_path, types)[1]
             built, budget = fit_budget(make, graph, parse_size(memory_budget), params.batch_size,
-                                       params.optimizer, accum_steps)
-        return write(built, model_path, out_dir, setup, budget, accum_steps)
+                                       params.optimizer, accum_steps, embedding_update)
+        return write(built, model_path, out_dir, setup, budget, accum_steps, embedding_update)
     except UserError as e:
         raise e.at(model_path) from None
 
@@ -272,9 +274,10 @@ class Built:
     art: Artifacts
     rows: dict[int, tuple[int, int]]
 
-    def peak(self, batch: int, optimizer: str, accum_steps: int = 1) -> dict:
+    def peak(self, batch: int, optimizer: str, accum_steps: int = 1,
+             embedding_update: str = DEFAULT_EMBEDDING_UPDATE) -> dict:
         files = {"frozen": len(self.frozen), "wof": len(self.wof), "backprop": len(self.backprop)}
-        return peak(self.art, batch, optimizer, files, accum_steps)
+        return peak(self.art, batch, optimizer, files, accum_steps, embedding_update)
 
 
 def load_prepared(model_path: Path, types: dict):
@@ -359,7 +362,7 @@ def slice_rows(bp: Backprop, g: Graph, rows: dict, grad_dtype) -> None:
 
 
 def write(built: Built, model_path: Path, out_dir, setup: Setup, budget: dict | None,
-          accum_steps: int = 1) -> SplitResult:
+          accum_steps: int = 1, embedding_update: str = DEFAULT_EMBEDDING_UPDATE) -> SplitResult:
     frozen_path, wof_path, backprop_path = output_paths(model_path, out_dir)
     frozen_path.parent.mkdir(parents=True, exist_ok=True)
     # the frozen model last: until it is renamed, the old one is not the new
@@ -374,7 +377,7 @@ def write(built: Built, model_path: Path, out_dir, setup: Setup, budget: dict | 
         info.append({"index": t, "name": art.forward.tensors[t].name, "shape": list(shape),
                      "rows": [lo, hi], "parameters": int(np.prod(shape[1:])) * (hi - lo)})
     params = setup.resolved.parameters
-    memory = built.peak(params.batch_size, params.optimizer, accum_steps)
+    memory = built.peak(params.batch_size, params.optimizer, accum_steps, embedding_update)
     if budget:
         memory["budget"] = budget
     return SplitResult(frozen_path, wof_path, backprop_path, info, len(art.backprop.ops),

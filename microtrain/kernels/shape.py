@@ -334,11 +334,12 @@ def embedding_lookup(inputs, outputs, **_):
     return _take(inputs[1], inputs[0], outputs[0], 0)
 
 
-def scatter_add_rows(dx, ids, rows):
+def scatter_add_rows(dx, ids, rows, compact=False):
     """dx[k] = the sum of rows[i] over the i with ids[i] == k, for each id k
-    (other rows of dx are left as they are): the ids sorted, an id met once is
-    a copy, the runs of repeated ids summed by one reduceat (np.add.at takes
-    ~3x as long on [2048, 64] rows)."""
+    (other rows of dx are left as they are); `compact`: the sums go to dx's
+    leading rows instead, in increasing id order.  Returns the distinct ids,
+    sorted.  The ids are sorted, an id met once is a copy, the runs of repeated
+    ids summed by one reduceat (np.add.at takes ~3x as long on [2048, 64] rows)."""
     order = np.argsort(ids, kind="stable")
     ranked = ids[order]
     first = np.empty(ranked.size, bool)
@@ -346,14 +347,17 @@ def scatter_add_rows(dx, ids, rows):
     np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
     starts = np.flatnonzero(first)
     counts = np.diff(starts, append=ranked.size)
+    distinct = ranked[starts]
+    at = np.arange(distinct.size) if compact else distinct
     once = counts == 1
-    dx[ranked[starts[once]]] = rows[order[starts[once]]]
+    dx[at[once]] = rows[order[starts[once]]]
     if once.all():
-        return
+        return distinct
     repeated = counts[~once]
     members = order[np.repeat(~once, counts)]
     offsets = np.cumsum(repeated) - repeated
-    dx[ranked[starts[~once]]] = np.add.reduceat(rows[members], offsets, axis=0)
+    dx[at[~once]] = np.add.reduceat(rows[members], offsets, axis=0)
+    return distinct
 
 
 @kernel("GatherGrad")
@@ -370,6 +374,29 @@ def gather_grad(inputs, outputs, axis=0, **_):
         _check_indices(flat, table.shape[0])
         dx.fill(0)
         scatter_add_rows(table, flat, rows)
+    return step
+
+
+@kernel("GatherRowsGrad")
+def gather_rows_grad(inputs, outputs, rows=0, axis=0, **_):
+    """GatherGrad of a table of `rows` rows kept as the rows the indices touched:
+    outputs[0] the distinct indices (sorted), outputs[1] their summed dY rows,
+    outputs[2] how many (their leading entries hold them).  A lazy update reads
+    these instead of a whole table's gradient, so no step passes over the table."""
+    dy, indices = inputs[:2]
+    ids, sums, count = outputs
+    if axis:
+        raise ValueError("a table's rows are gathered along axis 0")
+    flat = indices.reshape(-1)
+    dy_rows = dy.reshape((flat.size,) + sums.shape[1:])
+    if min(rows, flat.size) > len(ids):
+        raise ValueError(f"{flat.size} indices may touch more rows than the {len(ids)} held")
+
+    def step():
+        _check_indices(flat, rows)
+        touched = scatter_add_rows(sums, flat, dy_rows, compact=True)
+        ids[:touched.size] = touched
+        count[0] = touched.size
     return step
 
 
