@@ -120,7 +120,7 @@ class Optimizer:
         be overwritten (the trainer's next step rewrites them)."""
         lr = f32(lr)
         c = self._coefficients(lr, self.iterations + 1)
-        for lo, hi, at in spans or [(0, self.size, 0)]:
+        for lo, hi, at in [(0, self.size, 0)] if spans is None else spans:
             self._step(params[lo:hi], grads[at:at + hi - lo],
                        {name: a[lo:hi] for name, a in self._slots.items()}, lr, c)
         for lo, hi, grad in tables:
