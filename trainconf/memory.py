@@ -325,5 +325,6 @@ def peak_text(memory: dict) -> str:
     parts = ", ".join(f"{name.replace('_', ' ')} {memory[name]}" for name in PARTS if memory[name])
     accumulating = f", accumulating {memory['accum_steps']} batches" \
         if memory.get("accum_steps", 1) > 1 else ""
+    lazy = ", lazy embedding tables" if memory.get("embedding_update") == "lazy" else ""
     return (f"planned peak at batch {memory['batch_size']} with {memory['optimizer']}"
-            f"{accumulating}: {memory['total']} bytes ({parts})")
+            f"{accumulating}{lazy}: {memory['total']} bytes ({parts})")
