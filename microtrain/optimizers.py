@@ -116,8 +116,8 @@ class Optimizer:
         params[lo:hi] with grads[at:at + hi - lo] for each (lo, hi, at) of
         `spans` (default: all with all), and for each (lo, hi, RowGrad) of
         `tables` only the rows it touched of the table at params[lo:hi], weight
-        decay included.  `grads` and the RowGrads may
-        be overwritten (the trainer's next step rewrites them)."""
+        decay included.  `grads` and the RowGrads may be overwritten (the
+        trainer's next step rewrites them)."""
         lr = f32(lr)
         c = self._coefficients(lr, self.iterations + 1)
         for lo, hi, at in [(0, self.size, 0)] if spans is None else spans:
