@@ -25,7 +25,8 @@ def _forward(op) -> str:
 def _trains(op) -> str:
     if not op.weighted:
         return ""
-    parts = [f"input {op.weight}" + (f", bias input {op.bias}" if op.bias is not None else "")]
+    where = f"input {op.weight}" if op.kernel else "a per-feature constant operand"
+    parts = [where + (f", bias input {op.bias}" if op.bias is not None else "")]
     if op.row_grad:
         parts.append("rows")
     if op.layer:
