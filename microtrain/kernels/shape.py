@@ -290,25 +290,34 @@ def split_grad(inputs, outputs, axis=0, sizes=(), **_):
     return step
 
 
-def _gather_index(x, indices, axis):
+def _gather_shape(x, indices, axis):
     axis %= x.ndim
-    flat = np.asarray(indices, np.intp).reshape(-1)
-    if flat.size and not (0 <= flat.min() and flat.max() < x.shape[axis]):
-        raise ValueError(f"GATHER: indices outside [0, {x.shape[axis]})")
-    return axis, flat, x.shape[:axis] + (flat.size,) + x.shape[axis + 1:]
+    return axis, x.shape[:axis] + (indices.size,) + x.shape[axis + 1:]
+
+
+def _flat_indices(indices, size: int) -> np.ndarray:
+    """The indices as read now (token ids are computed), checked against the axis."""
+    flat = indices.reshape(-1)
+    if flat.size and not (0 <= flat.min() and flat.max() < size):
+        raise ValueError(f"GATHER: indices outside [0, {size})")
+    return flat
 
 
 @kernel("GATHER")
 def gather(inputs, outputs, axis=0, batch_dims=0, **_):
-    """y = x's slices at the constant `indices` along axis (batch_dims 0)."""
+    """y = x's slices at `indices` along axis (batch_dims 0)."""
     x, indices = inputs[:2]
     (y,) = outputs
     if batch_dims:
         raise ValueError("GATHER: batch_dims other than 0 is not supported")
-    axis, flat, flat_shape = _gather_index(x, indices, axis)
+    axis, flat_shape = _gather_shape(x, indices, axis)
     if prod(flat_shape) != y.size:
         raise ValueError(f"GATHER: gathers {flat_shape} but the output is {y.shape}")
-    return partial(np.take, x, flat, axis=axis, out=y.reshape(flat_shape), mode="wrap")
+    out = y.reshape(flat_shape)
+
+    def step():
+        np.take(x, _flat_indices(indices, x.shape[axis]), axis=axis, out=out)
+    return step
 
 
 @kernel("GatherGrad")
@@ -317,17 +326,13 @@ def gather_grad(inputs, outputs, axis=0, **_):
     indices add up)."""
     dy, indices = inputs[:2]
     (dx,) = outputs
-    axis, flat, flat_shape = _gather_index(dx, indices, axis)
+    axis, flat_shape = _gather_shape(dx, indices, axis)
     dy_flat = dy.reshape(flat_shape)
-    at = (slice(None),) * axis + (flat,)
-    unique = np.unique(flat).size == flat.size
 
     def step():
+        flat = _flat_indices(indices, dx.shape[axis])
         dx.fill(0)
-        if unique:
-            dx[at] = dy_flat
-        else:
-            np.add.at(dx, at, dy_flat)
+        np.add.at(dx, (slice(None),) * axis + (flat,), dy_flat)
     return step
 
 
