@@ -77,7 +77,7 @@ class Operator:
     name: str  # circle builtin operator name, or a custom op's custom_code
     gradient: Callable | None = None  # gradient rule (trainconf/gradients.py)
     fold: Callable | None = None  # value of its output from constant inputs (fold.py)
-    weight: int | str | None = None  # input position of a weight that can train, or CONSTANT_OPERAND
+    weight: int | str | None = None  # input position of a trainable weight, or CONSTANT_OPERAND
     bias: int | None = None  # input position of the bias that trains with it
     layer: bool = False  # its input gradient is a layer for adaptive loss scaling
     row_grad: str | None = None  # the weight-gradient op whose rows are output channels
