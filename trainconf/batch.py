@@ -103,8 +103,11 @@ def output_shapes(op: Op, ins: list, g: Graph, values: dict) -> list[tuple[int, 
     """The symbolic shapes of the outputs of `op`, one of whose inputs has the batch."""
     rule = RULES.get(op.type)
     if op.type in BROADCASTING:
-        shape = broadcast(op, [s for s in ins if s is not None])
-        return [shape] * len(op.outputs)
+        shapes = [s for s in ins if s is not None]
+        if op.type == "SELECT" and len(shapes[0]) == 1 < len(shapes[1]):
+            # SELECT's rank-1 condition picks whole rows: it lines up with the first axis
+            shapes[0] = shapes[0] + (1,) * (len(shapes[1]) - 1)
+        return [broadcast(op, shapes)] * len(op.outputs)
     if rule is not None:
         return rule(op, ins, g, values)
     x = next(s for s in ins if s is not None and batched(s))
