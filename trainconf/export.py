@@ -123,7 +123,7 @@ def trainable_operators(model, trained: set[int]) -> list[int]:
     """circle+'s trainable_ops: every operator from the lowest one whose weights
     train to the last, except weighted operators whose weights stay frozen."""
     g = graph_of(model)
-    weighted = {op.index: bool(trained & set(op.inputs)) for op in weighted_ops(g)}
+    weighted = {u.op.index: bool(trained & {u.kernel, u.bias}) for u in weighted_ops(g)}
     lowest = min(i for i, trains in weighted.items() if trains)
     return [i for i in range(lowest, len(g.ops)) if weighted.get(i, True)]
 
