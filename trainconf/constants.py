@@ -212,7 +212,10 @@ def _operand(model, t: int) -> Operand | None:
     if t < 0:
         return None
     tensor = model.subgraphs[0].tensors[t]
-    return Operand(_shape(tensor), tensor_dtype(tensor).kind == "f", _is_constant(model, tensor))
+    constant = _is_constant(model, tensor)
+    value = buffer_array(model, tensor) if constant else None
+    return Operand(_shape(tensor), tensor_dtype(tensor).kind == "f", constant,
+                   value is not None and not value.any())
 
 
 def _copy(model, t: int, name: str) -> int:

@@ -39,6 +39,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from microtrain.graph import concrete_shape
 from microtrain.kernels import KERNELS, VERSIONS
 
 from . import fold, gradients
@@ -50,27 +51,31 @@ CONSTANT_OPERAND = "constant operand"
 
 class Operand(NamedTuple):
     """What decides whether an input can train: its shape (-1 or a symbolic -k
-    for the batch), whether it is floating point and whether it is a constant."""
+    for the batch), whether it is floating point, whether it is a constant and
+    whether that constant is all zeros."""
     shape: tuple
     floating: bool
     constant: bool
+    zeros: bool = False
 
 
 def parameter_operand(inputs: list[Operand | None], output: tuple) -> int | None:
     """The position of the constant operand that is a per-feature parameter of
     an elementwise op, None when there is none: one operand constant, the other
     computed; the constant floating point, with more than one value (not a
-    scalar such as a LayerNorm's epsilon), and broadcast to the output: of a
-    lower rank or a different shape (a constant of the output's own shape, such
-    as a batch-1 loop's zero initial state, holds a sample's values, not
-    parameters)."""
+    scalar such as a LayerNorm's epsilon), and either broadcast to the output (of
+    a lower rank or a different shape than one sample's output) or, of that
+    shape, not all zeros: a zero constant of one sample's shape is a recurrent
+    layer's initial state (a batch-1 loop's h0 and c0), a position table is not."""
     if len(inputs) != 2 or None in inputs or [x.constant for x in inputs].count(True) != 1:
         return None
     position = 0 if inputs[0].constant else 1
     c = inputs[position]
     if not c.floating or int(np.prod(c.shape)) <= 1 or len(c.shape) > len(output):
         return None
-    return position if len(c.shape) < len(output) or tuple(c.shape) != tuple(output) else None
+    if len(c.shape) == len(output) and tuple(c.shape) == concrete_shape(tuple(output), 1):
+        return None if c.zeros else position
+    return position
 
 
 @dataclass(frozen=True)

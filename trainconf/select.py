@@ -28,7 +28,8 @@ def operand(g: Graph, t: int) -> Operand | None:
     if t < 0:
         return None
     tensor = g.tensors[t]
-    return Operand(tuple(tensor.shape), tensor.dtype.kind == "f", tensor.data is not None)
+    return Operand(tuple(tensor.shape), tensor.dtype.kind == "f", tensor.data is not None,
+                   tensor.data is not None and not tensor.data.any())
 
 
 def weight_position(g: Graph, op: Op) -> int | None:
