@@ -7,7 +7,9 @@ dimension the split model had (`batch` in the training metadata: dynamic, or a
 fixed 1); the training metadata goes, and so do tensors no operator reads any
 more (the outputs of folded shape chains).  Shape chains stay folded: the
 RESHAPE that a dynamic-batch Flatten became reads a constant shape with -1 as
-its batch, which TFLite and onert infer at run time.
+its batch, which TFLite and onert infer at run time.  Recurrent layers stay
+unrolled; trainconf/portable.py writes what onert lacks as operators it runs,
+with the same values, and computes at run time any other shape holding the batch.
 """
 from dataclasses import dataclass
 from pathlib import Path
