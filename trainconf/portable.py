@@ -30,6 +30,7 @@ from .batch import BROADCASTING, broadcast
 from .operators import OPERATORS, spec
 from .writer import _operator, _tensor, set_constant
 
+
 def make_portable(model, batch: int) -> None:
     """Rewrite the first subgraph's operators as above (in place); `batch` is the
     model's batch: BATCH (dynamic) or 1."""
