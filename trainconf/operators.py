@@ -90,6 +90,7 @@ class Operator:
     ids: int | None = None  # an embedding lookup's input of row ids into its weight (the table)
     options: str | None = None  # its builtin options table, for the backprop graph's writer
     lowered: bool = False  # split rewrites it into operators that train (trainconf/recurrent.py)
+    shape: int | None = None  # the input that is its output's shape (export restores its batch)
 
     @property
     def forward(self) -> bool:
@@ -203,7 +204,7 @@ _ENTRIES = [
     Operator("SELECT_V2", gradients.select, options="SelectV2Options"),
     Operator("CAST", gradients.reshape, options="CastOptions"),  # float to float: dY itself
     Operator("REVERSE_V2", gradients.reverse_v2, options="ReverseV2Options"),
-    Operator("BROADCAST_TO", gradients.broadcast_to, options="BroadcastToOptions"),
+    Operator("BROADCAST_TO", gradients.broadcast_to, options="BroadcastToOptions", shape=1),
     Operator("REDUCE_PROD", gradients.reduce_prod, fold=fold.reduce_prod, options="ReducerOptions"),
     Operator("TILE", gradients.tile, options="TileOptions"),
     Operator("CUMSUM", gradients.cumsum, options="CumsumOptions"),
