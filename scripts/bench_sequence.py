@@ -9,6 +9,8 @@ output from a SavedModel, the file microtrain trains), and OUT/tokens.npy + OUT/
 (seeded random ids and one-hot classes).  Keras 3 converts an LSTM only at a static batch
 (its WHILE loop's tensor lists need a static shape), so the LSTM's .tflite comes from a
 batch-1 twin holding the same weights; the transformer converts with a dynamic batch.
+OUT/lstm_fused.tflite is the same LSTM (same weights) built with tf_keras (Keras 2),
+whose converter output is one fused UNIDIRECTIONAL_SEQUENCE_LSTM (also batch 1).
 """
 import os
 import sys
@@ -86,9 +88,29 @@ def main(out: Path) -> None:
         twin = model if batch is None else build(keras, name, batch)
         twin.set_weights(model.get_weights())
         spec = [tf.TensorSpec((batch, SEQ), tf.int32, name="token_ids")]
-        with tempfile.TemporaryDirectory() as tmp:
-            twin.export(tmp, input_signature=spec, verbose=False)
-            (out / f"{name}.tflite").write_bytes(tf.lite.TFLiteConverter.from_saved_model(tmp).convert())
+        convert(tf, lambda d: twin.export(d, input_signature=spec, verbose=False),
+                out / f"{name}.tflite")
+        if name == "lstm":
+            fused = fused_lstm(model.get_weights())
+            convert(tf, lambda d: fused.save(d, save_format="tf"), out / "lstm_fused.tflite")
+
+
+def convert(tf, export, path: Path) -> None:
+    """export(dir) writes a SavedModel; TFLiteConverter turns it into `path`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        export(tmp)
+        path.write_bytes(tf.lite.TFLiteConverter.from_saved_model(tmp).convert())
+
+
+def fused_lstm(weights: list):
+    """The LSTM classifier in tf_keras at batch 1, holding `weights`."""
+    import tf_keras
+    L = tf_keras.layers
+    ids = tf_keras.Input((SEQ,), batch_size=1, dtype="int32", name="token_ids")
+    x = L.LSTM(UNITS)(L.Embedding(VOCAB, WIDTH)(ids))
+    model = tf_keras.Model(ids, L.Dense(CLASSES, activation="softmax")(x))
+    model.set_weights(weights)
+    return model
 
 
 if __name__ == "__main__":
