@@ -313,9 +313,17 @@ class TrainingMeta(Record):
                                 "restores it)")
     stable_logits_loss: bool = doc("the loss is computed from the logits of a final "
                                    "SOFTMAX/LOGISTIC")
+    ignore_index: Annotated[int, Range(-MAX_INDEX, MAX_INDEX)] | None = doc(
+        "cce/sparse_cce: tokens of this class (target id, or one-hot column) count in neither "
+        "the loss nor a mean's denominator (null: every token counts)", default=None)
+    from_logits: bool = doc("the model's outputs are logits: cce/sparse_cce apply to their "
+                            "softmax", default=False)
     rows: dict[Index, tuple[Index, Index]] = doc(
         "`{t: [lo, hi]}`: trainable tensor t trains only rows lo..hi-1 of its leading axis",
         default={})
+    vocab: dict[Index, Annotated[int, Range(1, MAX_INDEX)]] = doc(
+        "`{t: n}`: model input t holds the ids of embedding tables whose smallest has n rows; "
+        "data outside 0..n-1 is refused when loaded", default={})
     parameters: TrainingParameters = doc(
         "the training parameters `trainconf split` recorded (from its options, else the "
         "input's circle+ CIRCLE_TRAINING, else the defaults)", default_factory=TrainingParameters)

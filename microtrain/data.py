@@ -44,39 +44,68 @@ def load_array(spec: str, sample_shape: Sequence[int] | None = None,
             raise UserError(path, "unknown data format (expected .npy, .npz[:key] or .bin)")
     except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         raise UserError(path, f"cannot read it as {suffix} ({e})") from None
-    if holding is not None and array.dtype != holding(array.dtype):  # read whole: convert now
-        held = np.empty(array.shape, holding(array.dtype))
-        holding.convert(array.reshape(-1), held.reshape(-1), 0)
-        array = held
+    if holding is not None:  # read whole (.npz, .bin): convert now
+        array = hold(holding, array)
     check_values(spec, array)
     return array
+
+
+def hold(holding: "Holding", array: np.ndarray) -> np.ndarray:
+    """`array` in the type `holding` chooses for it (itself when that is its own)."""
+    if array.dtype == holding(array.dtype):
+        return array
+    held = np.empty(array.shape, holding(array.dtype))
+    holding.convert(array.reshape(-1), held.reshape(-1), 0)
+    return held
 
 
 class Holding:
     """The type loaded data is held in, given the `tensor` type the step loads it
     into: floats wider than a float tensor (float32 data for an fp16 input) are
     held in the tensor's type, rounded as the step would round them when loading
-    each batch; anything else as stored (e.g. uint8 images stay one byte)."""
+    each batch; data for an integer or bool tensor (token ids, masks, segment
+    ids) in the tensor's type, refused if it is not integers (or bools) that the
+    type holds; anything else as stored (e.g. uint8 images stay one byte)."""
 
     def __init__(self, spec, tensor):
         self.spec, self.tensor = spec, np.dtype(tensor)
 
     def __call__(self, stored: np.dtype) -> np.dtype:
+        if self.tensor.kind in "biu":
+            if stored.kind not in ("b" if self.tensor.kind == "b" else "biu"):
+                raise UserError(self.spec, f"holds {stored} data, but the model reads it into a "
+                                           f"{self.tensor} tensor: give {self.tensor} values")
+            return self.tensor
         floats = stored.kind == "f" and (self.tensor.kind == "f" or reduced(self.tensor))
         return self.tensor if floats and self.tensor.itemsize < stored.itemsize else stored
 
     def convert(self, src: np.ndarray, dst: np.ndarray, start: int) -> None:
         """Store the flat chunk `src` (elements start.. of the array, in its
-        order) into `dst`, refusing finite values that overflow the narrower type
+        order) into `dst`, refusing values that overflow the narrower type
         (NaN and inf stay, for check_values to report)."""
         with np.errstate(over="ignore"):
             np.copyto(dst, src, casting="unsafe")
-        if not np.isfinite(dst).all():
+        if dst.dtype.kind in "iu":
+            overflow = np.flatnonzero(dst != src)
+        elif not np.isfinite(dst).all():
             overflow = np.flatnonzero(~np.isfinite(dst) & np.isfinite(src))
-            if overflow.size:
-                raise UserError(self.spec, f"holds {src[overflow[0]]} (element {start + overflow[0]}"
-                                           f"), beyond the range of the {self.tensor} tensor the "
-                                           "model loads it into")
+        else:
+            return
+        if overflow.size:
+            raise UserError(self.spec, f"holds {src[overflow[0]]} (element {start + overflow[0]}"
+                                       f"), beyond the range of the {self.tensor} tensor the "
+                                       "model loads it into")
+
+
+def check_ids(spec, array: np.ndarray, rows: int) -> None:
+    """Token ids must index a table of `rows` rows: one outside 0..rows-1 is
+    refused naming the sample (it is never wrapped or clipped)."""
+    flat = array.reshape(len(array), -1)
+    bad = (flat < 0) | (flat >= rows)
+    if bad.any():
+        sample, at = np.argwhere(bad)[0]
+        raise UserError(spec, f"sample {sample} holds id {flat[sample, at]}, outside the "
+                              f"{rows} rows of the embedding table it indexes")
 
 
 def _split_spec(spec: str) -> tuple[Path, str | None]:

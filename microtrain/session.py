@@ -196,6 +196,8 @@ def _save(trainer: Trainer, kw, baseline: dict, final: dict, history, judged_on:
             "optimizer": trainer.optimizer_name, "metric": metric, "judged_on": judged_on,
             f"initial_{metric}": baseline[metric], f"final_{metric}": final[metric],
             "initial_loss": baseline["loss"], "final_loss": final["loss"],
+            **{f"{when}_perplexity": values["perplexity"] for when, values in
+               (("initial", baseline), ("final", final)) if "perplexity" in values},
             "improved": improved, "saved": saved, "wof": str(target) if saved else None,
             "memory_bytes": trainer.memory_bytes(), "parameters": trainer.resolved.report(),
             "history": [r["loss"] for r in history], "message": message}

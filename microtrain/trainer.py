@@ -9,7 +9,7 @@ import numpy as np
 
 from .arena import held_bytes
 from .artifacts import load_artifacts
-from .data import batch_indices, check_values
+from .data import Holding, batch_indices, check_ids, check_values, hold
 from .errors import UserError
 from .executor import Hooks, Memory, Plan, check_supported, compile_plan
 from .graph import symbolic_batch
@@ -17,7 +17,7 @@ from .format.wof import write_wof
 from .kernels.workspace import sharing
 from .loss_scale import LossScale
 from .precision import Underflow
-from .metrics import HIGHER_IS_BETTER, METRICS, default_metric, meter
+from .metrics import HIGHER_IS_BETTER, METRICS, bind, default_metric
 from .optimizers import make_optimizer
 from .parameters import FROZEN_MODEL, resolve
 from .schedules import make_schedule
@@ -48,16 +48,30 @@ class Totals:
     """Running sums over the batches of one pass through a data set.  The loss is
     averaged weighting each step by its batch size, as Keras 3 does (its loss
     tracker is a Mean with sample_weight = batch size), so a partial last batch
-    counts for its rows."""
+    counts for its rows.  A language model's cross-entropy is also summed per
+    counted token, for its perplexity."""
     loss: float = 0.0
     samples: int = 0
     metric: list = field(default_factory=lambda: [0.0, 0])
+    token_loss: list = field(default_factory=lambda: [0.0, 0])
 
-    def add(self, loss: float, rows: int, metric: tuple[float, int]) -> None:
+    def add(self, loss: float, rows: int, metric: tuple[float, int],
+            tokens: tuple[float, int] | None = None) -> None:
         self.loss += loss * rows
         self.samples += rows
         self.metric[0] += metric[0]
         self.metric[1] += metric[1]
+        if tokens:
+            self.token_loss[0] += tokens[0]
+            self.token_loss[1] += tokens[1]
+
+    def report(self, metric: str, prefix: str = "") -> dict:
+        """The mean loss, the metric and, for a language model, the perplexity."""
+        result = {f"{prefix}loss": self.mean_loss(), f"{prefix}{metric}": self.metric_value()}
+        if self.token_loss[1]:
+            mean = self.token_loss[0] / self.token_loss[1]
+            result[f"{prefix}perplexity"] = math.exp(min(mean, 709.0))  # finite, for JSON
+        return result
 
     def mean_loss(self) -> float:
         return self.loss / self.samples
@@ -143,6 +157,8 @@ class Trainer:
                     got in (want[:-1], want[:-1] + (1,)) and self.loss_name == "cce" else ""
                 raise UserError(where, f"expected {what} samples of shape {want}, found "
                                        f"{got} (array of shape {a.shape}){hint}")
+            if v.dtype.kind in "biu":  # ids and masks: integers the tensor's type holds
+                arrays[i] = a = hold(Holding(where, v.dtype), a)
             check_values(where, a)
         if len({len(a) for a in arrays}) > 1:
             raise UserError(None, f"the {what}s have different sample counts")
@@ -162,6 +178,10 @@ class Trainer:
         names = names or (None, None)
         plan = self._plan(self.run_rows)
         xs = self._expect(inputs, plan.inputs, "input", names[0])
+        for i, t in enumerate(self.art.forward.inputs):
+            if t in self.art.training.vocab:
+                check_ids(names[0][i] if names[0] else f"input {i}", xs[i],
+                          self.art.training.vocab[t])
         ts = [] if targets is None else self._expect(targets, plan.targets, "target", names[1])
         if ts and len(ts[0]) != len(xs[0]):
             raise UserError(None, f"{len(xs[0])} input samples but {len(ts[0])} target samples")
@@ -175,13 +195,20 @@ class Trainer:
         for src, dst in zip(ts, plan.targets):
             np.copyto(dst, src[idx], casting="unsafe")
 
-    def _meter(self, rows: int):
-        """The metric's closure over the plan of `rows` rows (all its outputs)."""
+    def _measure(self, totals: Totals, loss: float, rows: int) -> None:
+        """Add the batch of `rows` rows now in its plan to `totals`: its loss, metric
+        and, for a language model, its cross-entropy summed over counted tokens."""
         if rows not in self._meters:
             plan = self._plan(rows)
             with sharing(self.memory.workspace):
-                self._meters[rows] = meter(self.metric, plan.outputs, plan.targets, self.loss_name)
-        return self._meters[rows]
+                self._meters[rows] = bind(self.metric, plan.outputs, plan.targets,
+                                          self.art.training)
+        measure, count = self._meters[rows]
+        tokens = None
+        if count is not None:
+            n = count()
+            tokens = (loss * n if self.art.training.reduction == "mean" else loss, n)
+        totals.add(loss, rows, measure(), tokens)
 
     # -- training -----------------------------------------------------------------------------
     def _forward_backward(self, plan: Plan) -> float:
@@ -201,29 +228,25 @@ class Trainer:
         the effective batch's rows, those of a summed loss added."""
         return rows if self.art.training.reduction == "mean" else 1
 
-    def train_batch(self, xs, ts, idx: np.ndarray) -> tuple[float, list]:
+    def train_batch(self, xs, ts, idx: np.ndarray, totals: Totals) -> None:
         """Forward and backward on the samples `idx`, then the update (or,
-        accumulating, the update once every `accum_steps` batches).  Returns the
-        batch's loss and its metric's (sum, count)."""
-        loss, metric = 0.0, [0.0, 0]
+        accumulating, the update once every `accum_steps` batches); their loss and
+        metric go into `totals`."""
         for part in self._parts(idx):
             plan = self._plan(len(part))
             self._load(plan, xs, ts, part)
-            weight = self._weight(len(part))
-            loss += self._forward_backward(plan) * weight
+            loss = self._forward_backward(plan)
             if self._accum is None:
                 self._update(self.memory.grads)
             else:
+                weight = self._weight(len(part))
                 self._accum += self.memory.grads * np.float32(weight)
                 self._accum_weight += weight
-            value, count = self._meter(len(part))()
-            metric = [metric[0] + value, metric[1] + count]
+            self._measure(totals, loss, len(part))
         if self._accum is not None:
             self._accum_count += 1
             if self._accum_count == self.accum_steps:
                 self.flush()
-        return loss / sum(self._weight(len(p)) for p in self._parts(idx)) \
-            if self.art.training.reduction == "mean" else loss, metric
 
     def flush(self) -> None:
         """Apply accumulated gradients (at the end of an effective batch or epoch)."""
@@ -252,18 +275,16 @@ class Trainer:
         totals, busy, steps = Totals(), 0.0, 0
         skipped = self.scaler.skipped
         for idx in batch_indices(len(xs[0]), self.batch_size, shuffle, rng):
-            rows = len(idx)
             start = time.perf_counter()
-            loss, metric = self.train_batch(xs, ts, idx)
+            self.train_batch(xs, ts, idx, totals)
             busy += time.perf_counter() - start
             steps += 1
-            totals.add(loss, rows, metric)
             if tick:
-                tick(rows)
+                tick(len(idx))
         self.flush()
         self.epoch += 1
-        return {"epoch": self.epoch, "loss": totals.mean_loss(),
-                self.metric: totals.metric_value(), "ms_per_step": 1000 * busy / steps,
+        return {"epoch": self.epoch, **totals.report(self.metric),
+                "ms_per_step": 1000 * busy / steps,
                 "loss_scale": self.scaler.report(),
                 "loss_scale_by_tensor": self.scaler.layer_scales(),
                 "skipped_steps": self.scaler.skipped - skipped,
@@ -305,8 +326,7 @@ class Trainer:
                                              "weights") from None
             if test_data:
                 result = self.evaluate(*test_data, checked=True)
-                record["test_loss"] = result["loss"]
-                record[f"test_{self.metric}"] = result[self.metric]
+                record.update({f"test_{k}": v for k, v in result.items() if k != "samples"})
             history.append(record)
             if on_epoch:
                 on_epoch(record)
@@ -358,9 +378,8 @@ class Trainer:
             self._load(plan, xs, ts, idx)
             plan.run_forward()
             plan.run_loss()
-            totals.add(float(plan.loss[0]), len(idx), self._meter(len(idx))())
-        return {"loss": totals.mean_loss(), self.metric: totals.metric_value(),
-                "samples": totals.samples}
+            self._measure(totals, float(plan.loss[0]), len(idx))
+        return {**totals.report(self.metric), "samples": totals.samples}
 
     @quiet
     def predict(self, inputs) -> list[np.ndarray]:

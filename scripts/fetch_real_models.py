@@ -1,4 +1,4 @@
-"""Collect real .tflite models from three sources into a cache (not run by CI).
+"""Collect real .tflite models from several sources into a cache (not run by CI).
 
     python scripts/fetch_real_models.py --cache DIR [--tf-python PY] [--torch-python PY]
 
@@ -16,6 +16,21 @@
   variance 1) mobilenet_v3_small's activations shrink ~100-fold per stage and its outputs are
   ~1e-10 on any input, so its last layers cannot train. --torch-python names an interpreter with
   torch, torchvision, litert-torch and Pillow; fetch the images first.
+
+Sequence, text, recommender and audio models (issue 18), all with random weights (seed 0), token
+ids of VOCAB kinds, SEQ long, layers WIDTH wide; nothing is downloaded from a model hub:
+- keras_text (--tf-python): Keras 3 Embedding + LSTM / GRU / Bidirectional(LSTM) classifiers
+  (batch 1: with a dynamic batch the converter refuses Keras 3 RNNs; they become WHILE loops),
+  a transformer encoder classifier (dynamic batch and batch 1), a keras-hub BertBackbone
+  classifier from a small config (both), a user/item embedding recommender, and four
+  convolutional ones: two keyword spotters on 49x10 MFCCs, a 1-D conv over log-mel frames and
+  one over token embeddings. Converted from a SavedModel (`model.export` with a static-batch
+  signature where batch 1).
+- tf_keras (--tf-python): Keras 2 LSTM (the fused UNIDIRECTIONAL_SEQUENCE_LSTM), Bidirectional
+  LSTM, SimpleRNN and GRU classifiers and an LSTM next-word model, batch 1.
+- torch_text (--torch-python, with transformers): nn.TransformerEncoder and nn.LSTM
+  classifiers over nn.Embedding and a 2-layer GPT-2 causal LM (transformers' GPT2Config), by
+  litert-torch, batch 1.
 
 - images: four photographs to feed them (scripts/real_models_report.py), from the
   scikit-image wheel's sample data (only unzipped, never installed, like MediaPipe's):
@@ -38,10 +53,13 @@ from pathlib import Path
 MEDIAPIPE = "mediapipe==0.10.21"
 SCIKIT_IMAGE = "scikit-image==0.26.0"
 PHOTOGRAPHS = ("astronaut", "camera", "chelsea", "coffee")  # public domain / CC0, see the wheel
-SOURCES = ("mediapipe", "keras", "torch")
+SOURCES = ("mediapipe", "keras", "torch", "keras_text", "tf_keras", "torch_text")
 INPUT = (32, 32, 3)
 CLASSES = 10
 SEED = 0
+# the sequence models: token ids of VOCAB kinds, SEQ long, layers WIDTH wide
+VOCAB, SEQ, WIDTH, USERS = 200, 16, 32, 100
+MFCC, KEYWORDS = (49, 10, 1), 12
 
 
 def default_cache() -> Path:
@@ -86,13 +104,10 @@ def fetch_images(cache: Path) -> None:
 
 
 def keras_worker(out: Path) -> None:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import tempfile
 
-    import keras
     import numpy as np
-    import tensorflow as tf
+    keras, tf = tf_imports()
 
     def small_cnn(weights, classes, input_shape):
         layers = keras.layers
@@ -157,6 +172,162 @@ def keras_worker(out: Path) -> None:
                 print(f"keras/{name}{suffix}.tflite")
 
 
+# ---------------------------------------------------------------- keras_text (worker, needs TensorFlow)
+
+
+def keras_text_worker(out: Path) -> None:
+    """Keras 3 sequence, transformer, recommender and audio models with random weights."""
+    keras, tf = tf_imports()
+    import keras_hub
+    import numpy as np
+
+    L = keras.layers
+
+    def text(body, batch=None):
+        """Embedding over TOKENS ids -> body -> softmax over CLASSES."""
+        ids = keras.Input((SEQ,), batch_size=batch, dtype="int32", name="token_ids")
+        x = L.Embedding(VOCAB, WIDTH)(ids)
+        return keras.Model(ids, L.Dense(CLASSES, activation="softmax")(body(x)))
+
+    def encoder(batch=None):
+        ids = keras.Input((SEQ,), batch_size=batch, dtype="int32", name="token_ids")
+        x = L.Embedding(VOCAB, WIDTH)(ids) + L.Embedding(SEQ, WIDTH)(np.arange(SEQ)[None])
+        attention = L.MultiHeadAttention(num_heads=2, key_dim=WIDTH // 2)(x, x)
+        x = L.LayerNormalization()(x + attention)
+        ffn = L.Dense(WIDTH)(L.Dense(2 * WIDTH, activation="relu")(x))
+        x = L.GlobalAveragePooling1D()(L.LayerNormalization()(x + ffn))
+        return keras.Model(ids, L.Dense(CLASSES, activation="softmax")(x))
+
+    def bert(batch=None):
+        backbone = keras_hub.models.BertBackbone(
+            vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=WIDTH,
+            intermediate_dim=2 * WIDTH, max_sequence_length=SEQ)
+        inputs = {k: keras.Input((SEQ,), batch_size=batch, dtype="int32", name=k)
+                  for k in ("token_ids", "segment_ids", "padding_mask")}
+        pooled = backbone(inputs)["pooled_output"]
+        return keras.Model(inputs, L.Dense(CLASSES, activation="softmax")(pooled))
+
+    def recommender(batch=None):
+        user = keras.Input((1,), batch_size=batch, dtype="int32", name="user_id")
+        item = keras.Input((1,), batch_size=batch, dtype="int32", name="item_id")
+        u = L.Flatten()(L.Embedding(USERS, WIDTH)(user))
+        i = L.Flatten()(L.Embedding(VOCAB, WIDTH)(item))
+        x = L.Dense(WIDTH, activation="relu")(L.Concatenate()([u, i]))
+        return keras.Model([user, item], L.Dense(1, activation="sigmoid")(x))
+
+    def stack(shape, *layers):
+        """A functional model of layers in sequence (a Sequential has no `input` to export)."""
+        x = inputs = keras.Input(shape)
+        for layer in layers:
+            x = layer(x)
+        return keras.Model(inputs, x)
+
+    def kws_cnn(batch=None):  # a keyword spotter on 49 frames x 10 MFCCs
+        return stack(
+            MFCC, L.Conv2D(16, (10, 4), strides=(2, 2), activation="relu"),
+            L.Conv2D(16, 3, activation="relu"), L.Flatten(),
+            L.Dense(KEYWORDS, activation="softmax"))
+
+    def kws_ds_cnn(batch=None):  # depthwise-separable, as in "Hello Edge"
+        return stack(
+            MFCC, L.Conv2D(16, (10, 4), strides=(2, 2), padding="same"),
+            L.BatchNormalization(), L.ReLU(), L.DepthwiseConv2D(3, padding="same"),
+            L.BatchNormalization(), L.ReLU(), L.Conv2D(16, 1), L.BatchNormalization(), L.ReLU(),
+            L.GlobalAveragePooling2D(), L.Dense(KEYWORDS, activation="softmax"))
+
+    def conv1d_audio(batch=None):  # over SEQ frames of 40 log-mel bands
+        return stack(
+            (SEQ, 40), L.Conv1D(32, 3, activation="relu"), L.MaxPooling1D(),
+            L.Conv1D(32, 3, activation="relu"), L.GlobalAveragePooling1D(),
+            L.Dense(KEYWORDS, activation="softmax"))
+
+    def conv1d_text(batch=None):
+        return text(lambda x: L.GlobalMaxPooling1D()(L.Conv1D(32, 3, activation="relu")(x)),
+                    batch)
+
+    # name: (builder, batch); Keras 3 RNNs convert only with a static batch
+    models = {
+        "lstm_b1": (lambda batch: text(L.LSTM(WIDTH), batch), 1),
+        "gru_b1": (lambda batch: text(L.GRU(WIDTH), batch), 1),
+        "bilstm_b1": (lambda batch: text(L.Bidirectional(L.LSTM(WIDTH // 2)), batch), 1),
+        "transformer": (encoder, None),
+        "transformer_b1": (encoder, 1),
+        "bert": (bert, None),
+        "bert_b1": (bert, 1),
+        "recommender": (recommender, None),
+        "kws_cnn": (kws_cnn, None),
+        "kws_ds_cnn": (kws_ds_cnn, None),
+        "conv1d_audio": (conv1d_audio, None),
+        "conv1d_text": (conv1d_text, None),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    for name, (build, batch) in models.items():
+        keras.utils.set_random_seed(SEED)
+        model = build(batch)
+        signature = [tf.nest.map_structure(
+            lambda i: tf.TensorSpec((batch, *i.shape[1:]), i.dtype, name=i.name), model.input)]
+        convert_saved_model(tf, lambda d: model.export(d, input_signature=signature, verbose=False),
+                            out / f"{name}.tflite")
+
+
+# ---------------------------------------------------------------- tf_keras (worker, needs TensorFlow)
+
+
+def tf_keras_worker(out: Path) -> None:
+    """Keras 2 (tf_keras) recurrent models with random weights. Their LSTMs convert to the fused
+    UNIDIRECTIONAL_SEQUENCE_LSTM (a Bidirectional one to two of them and a REVERSE_V2; the
+    converter makes no BIDIRECTIONAL_SEQUENCE_LSTM); SimpleRNN and GRU to WHILE loops. Only
+    batch-1 builds convert: with a dynamic batch TensorFlow 2.21's converter fails ("Lowering
+    tensor list ops is failed") from the Keras model and from a SavedModel alike."""
+    _, tf = tf_imports()
+    import tf_keras
+
+    L = tf_keras.layers
+
+    def text(layer, head=CLASSES):
+        ids = tf_keras.Input((SEQ,), batch_size=1, dtype="int32", name="token_ids")
+        x = layer(L.Embedding(VOCAB, WIDTH)(ids))
+        return tf_keras.Model(ids, L.Dense(head, activation="softmax")(x))
+
+    models = {
+        "lstm_b1": lambda: text(L.LSTM(WIDTH)),
+        "bilstm_b1": lambda: text(L.Bidirectional(L.LSTM(WIDTH // 2))),
+        "simple_rnn_b1": lambda: text(L.SimpleRNN(WIDTH)),
+        "gru_b1": lambda: text(L.GRU(WIDTH)),
+        # a next-word model (as Gboard's): a softmax over the vocabulary at every position
+        "lstm_lm_b1": lambda: text(L.LSTM(WIDTH, return_sequences=True), VOCAB),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    for name, build in models.items():
+        tf_keras.utils.set_random_seed(SEED)
+        model = build()
+        convert_saved_model(tf, lambda d: model.save(d, save_format="tf"), out / f"{name}.tflite")
+
+
+def tf_imports():
+    """keras and tensorflow, quiet and on the CPU."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import keras
+    import tensorflow as tf
+    return keras, tf
+
+
+def convert_saved_model(tf, export, path: Path) -> None:
+    """export(dir) writes a SavedModel that TFLiteConverter turns into `path`; a model the
+    converter refuses is reported on one line and skipped, so the others still convert."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            export(tmp)
+            path.write_bytes(tf.lite.TFLiteConverter.from_saved_model(tmp).convert())
+        except Exception as e:  # noqa: BLE001 - any converter failure: report, go on
+            print(f"{path.parent.name}/{path.name}: not converted: {str(e).strip().splitlines()[-1]}")
+            return
+    print(f"{path.parent.name}/{path.name}")
+
+
 # ---------------------------------------------------------------- torch (worker, needs litert-torch)
 
 
@@ -189,6 +360,61 @@ def torch_worker(out: Path) -> None:
         model = calibrate_batch_norm(make(), crops)
         litert_torch.convert(model, (torch.randn(1, c, h, w),)).export(str(out / f"{name}.tflite"))
         print(f"torch/{name}.tflite")
+
+
+# ---------------------------------------------------------------- torch_text (worker, needs litert-torch)
+
+
+def torch_text_worker(out: Path) -> None:
+    """PyTorch sequence models with random weights, converted by litert-torch (batch 1):
+    nn.TransformerEncoder and nn.LSTM classifiers over nn.Embedding, and a GPT-2 causal LM
+    from transformers (per-token logits [1, SEQ, VOCAB])."""
+    import litert_torch
+    import torch
+    import transformers
+
+    nn = torch.nn
+
+    class Classifier(nn.Module):
+        """Embedding -> body -> mean over positions -> linear -> softmax."""
+
+        def __init__(self, body, recurrent=False):
+            super().__init__()
+            self.embed, self.body, self.recurrent = nn.Embedding(VOCAB, WIDTH), body, recurrent
+            self.head = nn.Linear(WIDTH, CLASSES)
+
+        def forward(self, ids):
+            x = self.body(self.embed(ids))
+            x = x[0] if self.recurrent else x  # an LSTM returns (outputs, (h, c))
+            return torch.softmax(self.head(x.mean(1)), -1)
+
+    class CausalLM(nn.Module):
+        """GPT-2's logits alone (its forward returns a ModelOutput with the cache)."""
+
+        def __init__(self):
+            super().__init__()
+            self.gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=2, n_head=2))
+
+        def forward(self, ids):
+            return self.gpt(input_ids=ids, use_cache=False).logits
+
+    layer = lambda: nn.TransformerEncoderLayer(WIDTH, 2, 2 * WIDTH, dropout=0.0, batch_first=True)
+    models = {
+        "transformer_encoder": lambda: Classifier(nn.TransformerEncoder(layer(), 2)),
+        "lstm": lambda: Classifier(nn.LSTM(WIDTH, WIDTH, batch_first=True), recurrent=True),
+        "gpt2_lm": CausalLM,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    for name, make in models.items():
+        torch.manual_seed(SEED)
+        ids = torch.randint(0, VOCAB, (1, SEQ), dtype=torch.int32)
+        try:
+            litert_torch.convert(make().eval(), (ids,)).export(str(out / f"{name}.tflite"))
+        except Exception as e:  # noqa: BLE001 - report, go on with the others
+            print(f"torch_text/{name}.tflite: not converted: {str(e).strip().splitlines()[-1]}")
+            continue
+        print(f"torch_text/{name}.tflite")
 
 
 def photograph_crops(images: Path, h: int, w: int, per_photograph: int = 64):
@@ -230,6 +456,36 @@ def calibrate_batch_norm(model, x):
     return model.eval()
 
 
+# ---------------------------------------------------------------- sequence fixtures
+
+
+FIXTURES = {"keras_lstm_b1": "keras_text/lstm_b1", "tf_keras_lstm_b1": "tf_keras/lstm_b1",
+            "keras_transformer": "keras_text/transformer", "keras_recommender": "keras_text/recommender"}
+FIXTURE_SAMPLES = 32
+
+
+def write_sequence_fixtures(cache: Path, out: Path) -> None:
+    """The small sequence models of FIXTURES copied from the cache into `out` (the test suite's
+    tests/fixtures/sequence), with data to train them: token ids and one-hot labels (the
+    class is the last id modulo CLASSES) for the three text classifiers, user and item ids and
+    0/1 ratings (1 where their parities agree) for the recommender."""
+    import numpy as np
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name, source in FIXTURES.items():
+        (out / f"{name}.tflite").write_bytes((cache / f"{source}.tflite").read_bytes())
+    rng = np.random.default_rng(SEED)
+    ids = rng.integers(0, VOCAB, (FIXTURE_SAMPLES, SEQ)).astype(np.int32)
+    users = rng.integers(0, USERS, (FIXTURE_SAMPLES, 1)).astype(np.int32)
+    items = rng.integers(0, VOCAB, (FIXTURE_SAMPLES, 1)).astype(np.int32)
+    data = {"text_ids": ids, "text_labels": np.eye(CLASSES, dtype=np.float32)[ids[:, -1] % CLASSES],
+            "rec_users": users, "rec_items": items,
+            "rec_ratings": (users % 2 == items % 2).astype(np.float32)}
+    for name, array in data.items():
+        np.save(out / f"{name}.npy", array)
+    print(f"{len(FIXTURES)} models and {len(data)} arrays in {out}")
+
+
 # ---------------------------------------------------------------- index
 
 
@@ -256,11 +512,13 @@ def describe(path: Path) -> dict:
                 const_types[types[tensor.Type()]] += 1
     graph = model.Subgraphs(0)
 
-    def shapes(indices):
-        return [graph.Tensors(i).ShapeAsNumpy().tolist() for i in indices]
+    def shapes(indices):  # -1 for a dynamic dimension
+        return [(t.ShapeSignatureAsNumpy() if t.ShapeSignatureLength() else t.ShapeAsNumpy()).tolist()
+                for t in map(graph.Tensors, indices)]
 
     return {"bytes": path.stat().st_size, "subgraphs": model.SubgraphsLength(),
             "inputs": shapes(graph.InputsAsNumpy()), "outputs": shapes(graph.OutputsAsNumpy()),
+            "input_types": [types[graph.Tensors(i).Type()] for i in graph.InputsAsNumpy()],
             "operators": dict(ops.most_common()), "constant_types": dict(const_types.most_common())}
 
 
@@ -269,12 +527,13 @@ def write_index(cache: Path) -> None:
              for source in SOURCES for p in sorted((cache / source).glob("*.tflite"))}
     (cache / "index.json").write_text(json.dumps(index, indent=1) + "\n")
     lines = ["# Real models", "", "Written by scripts/fetch_real_models.py.", "",
-             "| model | bytes | inputs | outputs | constants by type | operators (uses) |",
+             "| model | bytes | inputs (-1: dynamic) | outputs | constants by type | operators (uses) |",
              "|---|---|---|---|---|---|"]
     for name, d in index.items():
         ops = ", ".join(f"{op} {n}" for op, n in d["operators"].items())
         consts = ", ".join(f"{t} {n}" for t, n in d["constant_types"].items())
-        lines.append(f"| {name} | {d['bytes']:,} | {d['inputs']} | {d['outputs']} | {consts} | {ops} |")
+        inputs = ", ".join(f"{t} {s}" for t, s in zip(d["input_types"], d["inputs"]))
+        lines.append(f"| {name} | {d['bytes']:,} | {inputs} | {d['outputs']} | {consts} | {ops} |")
     (cache / "INDEX.md").write_text("\n".join(lines) + "\n")
     print(f"{len(index)} models; index in {cache / 'INDEX.md'}")
 
@@ -282,7 +541,8 @@ def write_index(cache: Path) -> None:
 # ---------------------------------------------------------------- main
 
 
-WORKERS = {"keras": keras_worker, "torch": torch_worker}
+WORKERS = {"keras": keras_worker, "torch": torch_worker, "keras_text": keras_text_worker,
+           "tf_keras": tf_keras_worker, "torch_text": torch_text_worker}
 
 
 def main() -> None:
@@ -294,15 +554,23 @@ def main() -> None:
     parser.add_argument("--mediapipe-wheel", type=Path,
                         help=f"the {MEDIAPIPE} wheel (default: pip download it into CACHE/wheels)")
     parser.add_argument("--tf-python", default=sys.executable,
-                        help="interpreter with TensorFlow, for keras (default: this one)")
+                        help="interpreter with TensorFlow, tf_keras and keras-hub, for keras, "
+                             "keras_text and tf_keras (default: this one)")
     parser.add_argument("--torch-python", default=sys.executable,
-                        help="interpreter with torch, torchvision, litert-torch (default: this one)")
+                        help="interpreter with torch, torchvision, litert-torch and transformers, "
+                             "for torch and torch_text (default: this one)")
     parser.add_argument("--index-only", action="store_true", help="only rewrite INDEX.md")
+    parser.add_argument("--sequence-fixtures", type=Path, metavar="DIR",
+                        help="fetch nothing: copy the sequence fixtures from the cache into DIR "
+                             "(tests/fixtures/sequence) with data to train them")
     parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     cache = args.cache.resolve()
     if args.worker:
         WORKERS[args.worker](cache / args.worker)
+        return
+    if args.sequence_fixtures:
+        write_sequence_fixtures(cache, args.sequence_fixtures)
         return
     if not args.index_only:
         for source in args.sources.split(","):
@@ -311,7 +579,7 @@ def main() -> None:
             elif source == "images":
                 fetch_images(cache)
             else:
-                python = args.tf_python if source == "keras" else args.torch_python
+                python = args.torch_python if source.startswith("torch") else args.tf_python
                 subprocess.run([python, __file__, "--cache", str(cache), "--worker", source],
                                check=True)
     write_index(cache)

@@ -17,15 +17,20 @@ def _mark(flag: bool) -> str:
 
 
 def _forward(op) -> str:
+    if op.lowered:
+        return "unrolled at split"
     if op.forward and op.versions:
         return f"yes (version {', '.join(str(v) for v in sorted(op.versions))})"
     return _mark(op.forward)
 
 
 def _trains(op) -> str:
+    if op.lowered:
+        return "every weight, through time"
     if not op.weighted:
         return ""
-    parts = [f"input {op.weight}" + (f", bias input {op.bias}" if op.bias is not None else "")]
+    where = f"input {op.weight}" if op.kernel else "a per-feature constant operand"
+    parts = [where + (f", bias input {op.bias}" if op.bias is not None else "")]
     if op.row_grad:
         parts.append("rows")
     if op.layer:

@@ -12,7 +12,9 @@ summed loss of 8e4 changes in float32 steps of 8e-3, more than two steps at 1e-4
 only the last layers train).
 The batch is what a user would feed: the 4 photographs in DIR/images (fetch_real_models.py puts
 them there) resized to each image input, in its layout (NHWC, or NCHW for the PyTorch
-conversions), values in [0, 1]; an input that is not an image gets uniform noise in [0, 1). The
+conversions), values in [0, 1]; an integer input (token ids) random ids within the rows of the
+embedding table it indexes (ones if it indexes none: a padding mask; tests/token_inputs.py);
+another input uniform noise in [0, 1). The
 targets (see `target`): a mask for a segmentation output, one-hot rows (labels) for the others.
 Random inputs are a poor stand-in: on noise MediaPipe's selfie segmentation
 answers 0 (sigmoid saturated, gradients ~1e-10) everywhere. Each command ends
@@ -44,6 +46,7 @@ TIMEOUT = 900
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 from litert_reference import dequantized_in_front, interpreter_outputs, keras_loss  # noqa: E402
+from token_inputs import one_hot, sample_inputs  # noqa: E402
 
 
 @dataclass
@@ -175,10 +178,7 @@ def target(shape: list[int], producer: str, rng) -> np.ndarray:
         y, x = np.mgrid[0:h, 0:w]
         mask = (((y + 0.5) / h - 0.5) / 0.4) ** 2 + (((x + 0.5) / w - 0.5) / 0.3) ** 2 <= 1
         return np.broadcast_to(mask[..., None], (SAMPLES, *shape)).astype(np.float32)
-    t = np.zeros((SAMPLES, *shape), np.float32)
-    idx = rng.integers(0, shape[-1], (SAMPLES, *shape[:-1]))
-    np.put_along_axis(t, idx[..., None], 1.0, axis=-1)
-    return t
+    return one_hot((SAMPLES, *shape), rng)
 
 
 def save(arrays, work: Path, kind: str) -> list[Path]:
@@ -194,6 +194,8 @@ def run_model(model: Path, name: str, work: Path, env, learning_rates: list[floa
               images: Path) -> ModelResult:
     import tflite
 
+    unquantized = (tflite.TensorType.FLOAT32, tflite.TensorType.INT32, tflite.TensorType.INT64)
+
     circle = work / (model.stem + ".circle")  # commands run in work: relative names
     imported, _ = command(["trainconf.cli", "import", model, "-o", circle.name], env, work)
     source = circle.name if imported.status == "ok" else model
@@ -201,12 +203,12 @@ def run_model(model: Path, name: str, work: Path, env, learning_rates: list[floa
     result = ModelResult(name, model.stat().st_size, imported, inspected)
     in_shapes, in_types, out_shapes, producers = model_io(model)
     rng = np.random.default_rng(SEED)
-    xs = [a if (a := photographs(images, s)) is not None
-          else rng.random((SAMPLES, *s), dtype=np.float32) for s in in_shapes]
+    xs = [a if (a := photographs(images, s)) is not None else other
+          for s, other in zip(in_shapes, sample_inputs(model, SAMPLES, rng))]
     ts = [target(s, p, rng) for s, p in zip(out_shapes, producers)]
     data = {"x": save(xs, work, "x"), "t": save(ts, work, "t")}
     ys = hybrid = None
-    if all(t == tflite.TensorType.FLOAT32 for t in in_types):
+    if all(t in unquantized for t in in_types):
         try:
             float_model = dequantized_in_front(model)
             ys = interpreter_outputs(float_model or model, xs)
@@ -214,7 +216,7 @@ def run_model(model: Path, name: str, work: Path, env, learning_rates: list[floa
         except RuntimeError as e:  # e.g. a custom op the interpreter lacks
             result.reference = f"interpreter: {str(e).splitlines()[0]}"
     else:
-        result.reference = "the model's inputs are not float32"
+        result.reference = "the model's inputs are quantized"
     for spec in SPECS:
         out = spec.replace(":", "")
         split, info = command(["trainconf.cli", "split", source, "-o", out, "--trainable", spec,
@@ -293,7 +295,8 @@ def write_report(results: list[ModelResult], out: Path, argv: str, code: Path,
         "# Real-model corpus report", "",
         f"Command: `{argv}`  ", f"Code: {code} at {git_head(code)}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
         f"One batch of {SAMPLES} photographs (resized to each image input, in [0, 1]; noise for "
-        "other inputs); targets: a centred ellipse mask for a segmentation output, one-hot rows "
+        "other float inputs; for integer inputs, random ids within the rows of the embedding "
+        "table each indexes, ones for a mask); targets: a centred ellipse mask for a segmentation output, one-hot rows "
         "for the others; "
         f"{EPOCHS} epochs, Adam at learning rate "
         f"{', then '.join(f'{v:g}' for v in learning_rates)} (the next rate only where the one "

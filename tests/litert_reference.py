@@ -25,6 +25,7 @@ def interpreter_outputs(model: Path | bytes, xs: list[np.ndarray]) -> list[np.nd
     outputs = interpreter.get_output_details()
     results = [[] for _ in outputs]
     for i in range(len(xs[0])):
+        interpreter.reset_all_variables()  # each sample from the zero state (recurrent layers)
         for d, x in zip(inputs, xs):
             interpreter.set_tensor(d["index"], x[i:i + 1])
         interpreter.invoke()

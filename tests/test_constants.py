@@ -270,3 +270,19 @@ def test_shared_biases_are_untied(tmp_path):
     (expected,) = _litert((QUANTIZED / "shared_bias.tflite").read_bytes(), [X])
     got = Trainer(files.frozen, batch_size=len(X)).predict([X])[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_shared_weight_of_differing_values_stays_tied(tmp_path):
+    """GPT-2 reads one matrix as its token embedding and its output layer: it trains as
+    one weight, its gradient the sum of both uses' (torch float64)."""
+    from test_split_gradients import RNG as GRNG, GraphMaker, check_gradients
+
+    m = GraphMaker()
+    x = m.tensor((-1, 4))
+    tied = m.weight(4, 4)
+    h = m.op("FULLY_CONNECTED", [x, tied], (-1, 4), fused_activation_function=4)
+    y = m.op("FULLY_CONNECTED", [h, tied, m.weight(4)], (-1, 4))
+    path = m.save(tmp_path / "tied.circle", [x], [y])
+    grads = check_gradients(path, tmp_path / "split", GRNG.normal(size=(5, 4)).astype(np.float32),
+                            GRNG.normal(size=(5, 4)).astype(np.float32), "mse")
+    assert tied in grads and len(grads) == 2

@@ -1,21 +1,27 @@
-"""Models we did not build (tests/fixtures/real/, sources in tests/fixtures/LICENSES.md): each is
-imported, inspected, split with several --trainable choices and trained two steps; before
-training, microtrain's outputs and loss equal the TFLite interpreter's on the original file, and
-two gradient steps lower the loss."""
+"""Models we did not build (tests/fixtures/real/, sources in tests/fixtures/LICENSES.md), and
+the sequence models of issue 18 (tests/fixtures/sequence/, and the whole corpus from the
+real-model cache when it is there): each is imported, inspected, split with several --trainable
+choices and trained two steps; before training, microtrain's outputs and loss equal the TFLite
+interpreter's on the original file, and two gradient steps lower the loss."""
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from ai_edge_litert.interpreter import Interpreter
+from click.testing import CliRunner
 
 from litert_reference import interpreter_outputs, keras_loss
+from microtrain.cli import main as microtrain
 from microtrain.format.model import load_model
 from microtrain.trainer import Trainer
+from test_landmark_refinement import _cache
+from token_inputs import embedding_tables, one_hot_targets, sample_inputs
 from trainconf.importer import import_tflite
 from trainconf.inspect import describe
 from trainconf.split import split
 
-REAL = Path(__file__).parent / "fixtures" / "real"
+FIXTURES = Path(__file__).parent / "fixtures"
+REAL, SEQUENCE, CACHE = FIXTURES / "real", FIXTURES / "sequence", _cache()
 MODELS = ["torch_small_cnn", "face_detection_short_range", "face_detection_full_range_sparse",
           "selfie_segmentation_landscape"]
 INSPECTED = ["torch_small_cnn", "face_detection_short_range", "face_detection_full_range_sparse",
@@ -24,38 +30,96 @@ SPECS = ["last:1", "last:2", "all"]
 SAMPLES = 2
 
 
+
+# Why each sequence family does not train yet (issue 18): its tests are marked xfail until its
+# entry is removed here as its features land.
+WAITING: dict[str, str] = {}
+FIXTURE_FAMILIES = {"keras_lstm_b1": "keras3_rnn", "tf_keras_lstm_b1": "fused_rnn",
+                    "keras_transformer": "transformer", "keras_recommender": "recommender"}
+# the sequence corpus in the cache (scripts/fetch_real_models.py), by family
+CACHED_FAMILIES = {
+    "keras3_rnn": ["keras_text/lstm_b1", "keras_text/gru_b1", "keras_text/bilstm_b1",
+                   "keras_text/conv1d_text"],
+    "fused_rnn": ["tf_keras/lstm_b1", "tf_keras/bilstm_b1", "tf_keras/lstm_lm_b1",
+                  "tf_keras/simple_rnn_b1", "tf_keras/gru_b1"],
+    "transformer": ["keras_text/transformer", "keras_text/transformer_b1"],
+    "bert": ["keras_text/bert", "keras_text/bert_b1"],
+    "torch": ["torch_text/transformer_encoder", "torch_text/lstm", "torch_text/gpt2_lm"],
+    "recommender": ["keras_text/recommender"],
+    "audio_conv": ["keras_text/kws_cnn", "keras_text/kws_ds_cnn", "keras_text/conv1d_audio"],
+}
+
+
+def family_param(root: Path, name: str, family: str, *values):
+    """The pytest param of root/<name>.tflite (and values), xfail while its family waits."""
+    why = WAITING.get(family)
+    marks = [pytest.mark.xfail(strict=False, reason=f"issue 18: {why}")] if why else []
+    return pytest.param(root / f"{name}.tflite", *values, id=name, marks=marks)
+
+
+FIXTURE_PARAMS = [family_param(SEQUENCE, name, family) for name, family in FIXTURE_FAMILIES.items()]
+
+
+CACHED = [family_param(CACHE, name, family)
+          for family, names in CACHED_FAMILIES.items() for name in names]
+
+
+
+def prepare(tflite: Path, out: Path):
+    """(imported circle path, inputs, targets, interpreter outputs) for a model file: random
+    inputs (ids within their embedding's rows) and one-hot targets."""
+    circle = out / f"{tflite.stem}.circle"
+    import_tflite(tflite, circle)
+    rng = np.random.default_rng(0)
+    xs = sample_inputs(tflite, SAMPLES, rng)
+    ts = one_hot_targets(tflite, SAMPLES, rng)
+    return circle, xs, ts, interpreter_outputs(tflite, xs)
+
+
 @pytest.fixture(scope="module", params=MODELS)
 def real(request, tmp_path_factory):
-    """(name, imported circle path, inputs, targets, interpreter outputs)."""
-    name = request.param
-    tflite = REAL / f"{name}.tflite"
-    out = tmp_path_factory.mktemp(name)
-    circle = out / f"{name}.circle"
+    """(imported circle path, inputs, targets, interpreter outputs)."""
+    return prepare(REAL / f"{request.param}.tflite", tmp_path_factory.mktemp(request.param))
+
+
+@pytest.mark.parametrize("tflite", [REAL / f"{name}.tflite" for name in INSPECTED]
+                         + FIXTURE_PARAMS,
+                         ids=lambda p: p.stem)
+def test_import_and_inspect(tflite, tmp_path):
+    circle = tmp_path / f"{tflite.stem}.circle"
     import_tflite(tflite, circle)
-    interpreter = Interpreter(model_path=str(tflite))
-    rng = np.random.default_rng(0)
-    xs = [rng.random((SAMPLES, *d["shape"][1:]), dtype=np.float32)
-          for d in interpreter.get_input_details()]
-    ts = [np.eye(d["shape"][-1], dtype=np.float32)[rng.integers(0, d["shape"][-1], (SAMPLES, *d["shape"][1:-1]))]
-          for d in interpreter.get_output_details()]
-    return name, circle, xs, ts, interpreter_outputs(tflite, xs)
-
-
-@pytest.mark.parametrize("name", INSPECTED)
-def test_import_and_inspect(name, tmp_path):
-    circle = tmp_path / f"{name}.circle"
-    import_tflite(REAL / f"{name}.tflite", circle)
     desc = describe(load_model(circle))
     ops = desc["subgraphs"][0]["operators"]
     assert ops and desc["totals"]["parameters"] > 0
-    assert all(op["training"] in ("gradient", "folded") for op in ops), \
-        [op["type"] for op in ops if op["training"] not in ("gradient", "folded")]
+    assert all(op["training"] != "unsupported" for op in ops), \
+        [op["type"] for op in ops if op["training"] == "unsupported"]
 
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_split_and_train(real, spec, tmp_path):
-    name, circle, xs, ts, reference = real
+    check_split_and_train(*real, spec, tmp_path)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("tflite", FIXTURE_PARAMS)
+def test_sequence_split_and_train(tflite, spec, tmp_path):
+    check_split_and_train(*prepare(tflite, tmp_path), spec, tmp_path)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("tflite", CACHED)
+def test_sequence_corpus(tflite, spec, tmp_path):
+    if not tflite.is_file():
+        pytest.skip(f"{tflite} is not there (scripts/fetch_real_models.py makes it)")
+    check_split_and_train(*prepare(tflite, tmp_path), spec, tmp_path)
+
+
+def check_split_and_train(circle, xs, ts, reference, spec, tmp_path):
+    """Split with `spec`; microtrain's outputs and starting loss equal LiteRT's; two SGD steps
+    keep the loss finite and lower it."""
     files = split(circle, tmp_path, trainable=spec)
+    if spec == "all":  # embedding tables train too
+        assert embedding_tables(circle) <= {t["name"] for t in files.trainable}
     probe = Trainer(files.frozen, batch_size=SAMPLES)
     for mine, theirs in zip(probe.predict(xs), reference):
         # float32 sums in another order: 1e-5 of the output's scale
@@ -90,3 +154,27 @@ def test_the_metric_judges_every_head(tmp_path):
     np.testing.assert_allclose(before["mse"], 1 / 17, rtol=1e-5)
     trainer.fit([x], targets, epochs=2)
     assert trainer.improved(before, trainer.evaluate([x], targets))
+
+
+TEXT = ["text_ids.npy"], ["text_labels.npy"]
+RECOMMENDER_DATA = ["rec_users.npy", "rec_items.npy"], ["rec_ratings.npy"]
+
+
+@pytest.mark.parametrize("tflite, data", [
+    family_param(SEQUENCE, name, family, RECOMMENDER_DATA if family == "recommender" else TEXT)
+    for name, family in FIXTURE_FAMILIES.items()])
+def test_sequence_microtrain_run(tflite, data, tmp_path):
+    """As a user would: split --trainable all, then `microtrain run` 2 epochs on the committed
+    ids and targets; the loss stays finite and falls."""
+    files = split(tflite, tmp_path, trainable="all")
+    inputs, targets = data
+    args = [files.frozen, *(a for f in inputs for a in ("--input", SEQUENCE / f)),
+            *(a for f in targets for a in ("--target", SEQUENCE / f)),
+            "--epochs", 2, "--batch-size", 32, "--no-shuffle", "--save", "never", "--json"]
+    result = CliRunner().invoke(microtrain, ["run", *map(str, args)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    losses = [summary["initial_loss"], *summary["history"], summary["final_loss"]]
+    assert np.isfinite(losses).all()
+    assert summary["history"][-1] < summary["history"][0]
+    assert summary["final_loss"] < summary["initial_loss"]

@@ -178,9 +178,13 @@ def run_op(op, v, g: Graph):
         data, axis = (x[1], op.inputs[0]) if t == "SPLIT" else (x[0], op.inputs[2])
         axis = int(g.tensors[axis].data.reshape(-1)[0])
         return torch.split(data, [g.tensors[u].shape[axis] for u in op.outputs], dim=axis)
-    if t == "GATHER":
-        index = torch.tensor(g.tensors[op.inputs[1]].data.astype(np.int64))
-        return torch.index_select(x[0], o.get("axis", 0), index.reshape(-1))
+    if t in ("GATHER", "EMBEDDING_LOOKUP"):
+        table_at, ids_at = (0, 1) if t == "GATHER" else (1, 0)
+        const = g.tensors[op.inputs[ids_at]].data  # constant indices, or computed ids
+        index = torch.tensor(const.astype(np.int64)) if const is not None else x[ids_at].long()
+        axis = o.get("axis", 0) % x[table_at].ndim
+        y = torch.index_select(x[table_at], axis, index.reshape(-1))
+        return y.reshape(x[table_at].shape[:axis] + index.shape + x[table_at].shape[axis + 1:])
     if t in ("SUM", "REDUCE_MAX"):
         axes = [int(a) for a in np.atleast_1d(g.tensors[op.inputs[1]].data)]
         reduce = torch.sum if t == "SUM" else torch.amax

@@ -124,33 +124,70 @@ def requires_grad(fwd: Graph, trainable: set[int]) -> set[int]:
     return needed
 
 
-def _seed_loss(b: Builder, loss: str, reduction: str, skip: set[int],
+@dataclass(frozen=True)
+class LossSpec:
+    """The loss on the model's outputs, as `trainconf split` chose it."""
+    name: str
+    reduction: str = "mean"
+    ignore_index: int | None = None  # cce/sparse_cce: tokens of this class are left out
+    from_logits: bool = False  # the outputs are logits (cce/sparse_cce on their softmax)
+
+    def options(self) -> dict:
+        extra = {} if self.ignore_index is None else {"ignore_index": self.ignore_index}
+        return dict(loss=self.name, reduction=self.reduction, **extra)
+
+
+def check_loss(fwd: Graph, spec: LossSpec) -> None:
+    """Refuse the options that do not apply to the loss or the model."""
+    if spec.name not in LOSSES or spec.reduction not in REDUCTIONS:
+        raise UserError(None, f"unknown loss {spec.name!r} or reduction {spec.reduction!r}")
+    for given, option in ((spec.ignore_index is not None, "--ignore-index"),
+                          (spec.from_logits, "--from-logits")):
+        if given and spec.name not in ("cce", "sparse_cce"):
+            raise UserError(None, f"{option} applies to cce and sparse_cce, not {spec.name}")
+    final = fwd.producers().get(fwd.outputs[0])
+    if spec.from_logits and final is not None and final.type == "SOFTMAX":
+        raise UserError(None, "--from-logits: the model ends in SOFTMAX, so its outputs are "
+                              "probabilities, not logits")
+
+
+def _logits_loss(b: Builder, spec: LossSpec, z: int, target: int, y: int | None, final: Op | None):
+    """The loss from logits z (of a final SOFTMAX/LOGISTIC `final`, whose output y
+    lets the runtime skip recomputing a softmax; none: the outputs are logits)."""
+    activation = final.type.lower() if final is not None else "softmax"
+    options = dict(activation=activation, **spec.options())
+    if activation == "softmax":
+        options["beta"] = float(final.options.get("beta", 1.0)) if final is not None else 1.0
+    inputs = [b.forward(z), target] + ([b.forward(y)] if y is not None else [])
+    name = b.fwd.tensors[z].name
+    return b.emit_many("LogitsLoss", inputs, [(1,), b.fwd.tensors[z].shape],
+                       [f"loss/{name}", f"grad/{name}"], [FLOAT32, b.grad_dtype], **options)
+
+
+def _seed_loss(b: Builder, spec: LossSpec, skip: set[int],
                grads: dict[int, list[int]]) -> tuple[int, list[int]]:
     """Loss operators on every model output; returns the loss tensor and targets."""
     producers = b.fwd.producers()
     losses, targets = [], []
     for out in b.fwd.outputs:
         y = b.fwd.tensors[out]
-        tshape = y.shape[:-1] if loss == "sparse_cce" else y.shape
+        tshape = y.shape[:-1] if spec.name == "sparse_cce" else y.shape
         target = b.tensor(f"target/{y.name}", tshape)
         targets.append(target)
         final = producers.get(out)
-        if final is not None and LOGITS_OF.get(loss) == final.type:
+        if spec.from_logits:
+            value, dz = _logits_loss(b, spec, out, target, None, None)
+            grads.setdefault(out, []).append(dz)
+        elif final is not None and LOGITS_OF.get(spec.name) == final.type:
             z = final.inputs[0]
-            options = dict(activation=final.type.lower(), loss=loss, reduction=reduction)
-            if final.type == "SOFTMAX":
-                options["beta"] = float(final.options.get("beta", 1.0))
-            # the softmax output lets the runtime skip recomputing it
-            inputs = [b.forward(z), target] + ([b.forward(out)] if final.type == "SOFTMAX" else [])
-            value, dz = b.emit_many("LogitsLoss", inputs, [(1,), b.fwd.tensors[z].shape],
-                                    [f"loss/{y.name}", f"grad/{b.fwd.tensors[z].name}"],
-                                    [FLOAT32, b.grad_dtype], **options)
+            value, dz = _logits_loss(b, spec, z, target,
+                                     out if final.type == "SOFTMAX" else None, final)
             skip.add(final.index)
             grads.setdefault(z, []).append(dz)
         else:
             value, dy = b.emit_many("Loss", [b.forward(out), target], [(1,), y.shape],
                                     [f"loss/{y.name}", f"grad/{y.name}"], [FLOAT32, b.grad_dtype],
-                                    loss=loss, reduction=reduction)
+                                    **spec.options())
             grads.setdefault(out, []).append(dy)
         losses.append(value)
     total = losses[0] if len(losses) == 1 else \
@@ -164,14 +201,15 @@ def unsupported(op: Op) -> UserError:
                            f"gradient rule; supported: {supported}")
 
 
-def build_backprop(fwd: Graph, trainable: list[int], loss: str, reduction: str,
+def build_backprop(fwd: Graph, trainable: list[int], loss: str | LossSpec, reduction: str = "mean",
                    grad_dtype=FLOAT32) -> Backprop:
+    chosen = loss if isinstance(loss, LossSpec) else LossSpec(loss, reduction)
     needed = requires_grad(fwd, set(trainable))
     b = Builder(fwd, grad_dtype)
     grads: dict[int, list[int]] = {}
     skip: set[int] = set()
     layers: list[int] = []
-    loss_tensor, targets = _seed_loss(b, loss, reduction, skip, grads)
+    loss_tensor, targets = _seed_loss(b, chosen, skip, grads)
     for op in reversed(fwd.ops):
         if op.index in skip or not any(t in grads for t in op.outputs):
             continue

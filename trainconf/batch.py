@@ -28,7 +28,7 @@ from microtrain.graph import Graph, Op, batched
 BROADCASTING = frozenset({
     "ADD", "SUB", "MUL", "DIV", "POW", "MAXIMUM", "MINIMUM", "SQUARED_DIFFERENCE",
     "FLOOR_DIV", "FLOOR_MOD", "LESS", "LESS_EQUAL", "GREATER", "GREATER_EQUAL", "EQUAL",
-    "NOT_EQUAL", "LOGICAL_AND", "LOGICAL_OR", "SELECT", "SELECT_V2", "ADD_N"})
+    "NOT_EQUAL", "LOGICAL_AND", "LOGICAL_OR", "SELECT_V2", "ADD_N"})
 
 
 class FixedBatch(Exception):
@@ -303,7 +303,13 @@ def _tiled(op, ins, g, values):
     return [_rows_kept(op, ins[0], g.tensors[op.outputs[0]].shape)]
 
 
+def _select(op, ins, g, values):
+    """SELECT (version 1): its condition has the branches' shape or is one flag a row."""
+    return [broadcast(op, ins[1:3])]
+
+
 RULES = {
+    "SELECT": _select,
     "RESHAPE": _reshape, "SQUEEZE": _squeeze_expand, "EXPAND_DIMS": _squeeze_expand,
     "FULLY_CONNECTED": _fully_connected, "BATCH_MATMUL": _batch_matmul,
     "TRANSPOSE": _transpose, "GATHER": _gather, "EMBEDDING_LOOKUP": _embedding_lookup,

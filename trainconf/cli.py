@@ -106,6 +106,13 @@ def parameters_text(report: dict) -> str:
 @click.option("--reduction", type=click.Choice(REDUCTIONS),
               help="mean: the sum of per-sample losses divided by the batch size (Keras); "
                    f"sum: their sum  [default: {CIRCLE_PLUS}'s, else {DEFAULT_REDUCTION}]")
+@click.option("--ignore-index", type=int, metavar="ID",
+              help="cce/sparse_cce: tokens whose target is class ID (an id equal to ID, e.g. a "
+                   "padding id or -100; a one-hot row of ID) count in neither the loss nor a "
+                   "mean's denominator (torch's ignore_index, Keras's ignore_class)")
+@click.option("--from-logits", is_flag=True,
+              help="cce/sparse_cce: the model's outputs are logits (a language model's "
+                   "per-token scores); the loss is taken of their softmax, from the logits")
 @click.option("--precision", type=click.Choice(list(PRECISIONS)), default="fp32",
               show_default=True, help="Preset for the three types below.")
 @click.option("--weight-dtype", type=click.Choice(list(PRECISIONS)),

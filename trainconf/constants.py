@@ -19,7 +19,7 @@ from microtrain.errors import UserError
 from microtrain.format import circle_generated as circle
 from microtrain.format.model import TYPE_NAMES, buffer_array, int_list, op_name, tensor_dtype
 
-from .operators import spec
+from .operators import Operand, spec
 from .writer import set_constant
 
 QUANTIZED_TYPES = {circle.TensorType.INT8, circle.TensorType.UINT8, circle.TensorType.INT16,
@@ -168,8 +168,12 @@ def _drop_unread(model, tensors: set[int]) -> None:
 
 def untie_weights(model) -> int:
     """Give every weighted operator its own copy of a weight or bias that another
-    operator also reads (converters store identical constants once), so that
-    training it trains that operator alone.  Returns the number of copies made."""
+    operator also reads when it holds one value throughout (converters store
+    identical initial constants once: zero biases, unit scales), so that training
+    it trains that operator alone.  A shared constant of differing values is a tie
+    the model means (GPT-2's token embedding and output layer): it stays one
+    weight, trained by the sum of its uses' gradients.  Returns the number of
+    copies made."""
     sg = model.subgraphs[0]
     uses: dict[int, int] = {}
     for op in sg.operators:
@@ -179,17 +183,36 @@ def untie_weights(model) -> int:
     for k, op in enumerate(sg.operators):
         props = spec(op_name(model, op))
         inputs = int_list(op.inputs)
-        for position in (props.weight, props.bias):
+        weight = props.weight_input([_operand(model, t) for t in inputs],
+                                    _shape(sg.tensors[int_list(op.outputs)[0]]))
+        for position in (weight, props.bias if weight is not None else None):
             if position is None or position >= len(inputs) or inputs[position] < 0:
                 continue
             t = inputs[position]
-            if uses.get(t, 0) > 1 and _is_constant(model, sg.tensors[t]):
+            if uses.get(t, 0) > 1 and _is_constant(model, sg.tensors[t]) and \
+                    _uniform(buffer_array(model, sg.tensors[t])):
                 inputs[position] = _copy(model, t, f"{sg.tensors[t].name}@op{k}")
                 shared.add(t)
                 copies += 1
         op.inputs = inputs
     _drop_unread(model, shared)
     return copies
+
+
+def _uniform(value: np.ndarray | None) -> bool:
+    return value is not None and (value.size == 0 or bool(np.all(value == value.flat[0])))
+
+
+def _shape(tensor) -> tuple:
+    """Its shape, -1 for a dynamic dimension."""
+    return tuple(int_list(tensor.shapeSignature) or int_list(tensor.shape))
+
+
+def _operand(model, t: int) -> Operand | None:
+    if t < 0:
+        return None
+    tensor = model.subgraphs[0].tensors[t]
+    return Operand(_shape(tensor), tensor_dtype(tensor).kind == "f", _is_constant(model, tensor))
 
 
 def _copy(model, t: int, name: str) -> int:

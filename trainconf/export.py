@@ -80,6 +80,9 @@ def export(frozen, output, wof=None, weights: str = "fp32", traininfo: bool = Fa
     if traininfo:
         t, p = art.training, art.training.parameters
         try:
+            if t.ignore_index is not None or t.from_logits:
+                raise UserError(None, "circle+ cannot hold the loss's --ignore-index or "
+                                      "--from-logits")
             set_circle_plus(model, to_circle_plus(p.optimizer, p.hyperparameters, t.loss,
                                                   t.reduction, p.epochs, p.batch_size,
                                                   trainable_ops))
@@ -120,7 +123,7 @@ def trainable_operators(model, trained: set[int]) -> list[int]:
     """circle+'s trainable_ops: every operator from the lowest one whose weights
     train to the last, except weighted operators whose weights stay frozen."""
     g = graph_of(model)
-    weighted = {op.index: bool(trained & set(op.inputs)) for op in weighted_ops(g)}
+    weighted = {u.op.index: bool(trained & {u.kernel, u.bias}) for u in weighted_ops(g)}
     lowest = min(i for i, trains in weighted.items() if trains)
     return [i for i in range(lowest, len(g.ops)) if weighted.get(i, True)]
 

@@ -215,10 +215,26 @@ def split(b, op, dy, needs):
     return [None, dx] if op.type == "SPLIT" else [dx, None, None]
 
 
+def _table_grad(b, table, indices, axis, dy):
+    """GatherGrad of a gathered tensor: a scatter-add of dY into the rows the
+    indices touched; constant indices become the backprop graph's own constant,
+    computed ones (token ids) are read from the forward pass."""
+    fwd = b.fwd.tensors[indices]
+    index = b.forward(indices) if fwd.data is None else \
+        b.const(np.asarray(fwd.data, np.int32), "indices")
+    return b.emit("GatherGrad", [dy, index], like=table, axis=axis)
+
+
 def gather(b, op, dy, needs):
-    x, indices = op.inputs[:2]
-    index = b.const(np.asarray(b.constant_of(indices), np.int32), "indices")
-    return [b.emit("GatherGrad", [dy, index], like=x, axis=int(op.options.get("axis", 0))), None]
+    """GATHER(params, indices): params is an activation or an embedding table."""
+    params, indices = op.inputs[:2]
+    return [_table_grad(b, params, indices, int(op.options.get("axis", 0)), dy), None]
+
+
+def embedding_lookup(b, op, dy, needs):
+    """EMBEDDING_LOOKUP(ids, table)."""
+    ids, table = op.inputs[:2]
+    return [None, _table_grad(b, table, ids, 0, dy)]
 
 
 def transpose(b, op, dy, needs):

@@ -18,12 +18,15 @@ ACTIVATIONS = enum_names(circle.ActivationFunctionType)
 
 def training_support(op_type: str) -> str:
     """How `trainconf split` treats an operator: it has a gradient rule, it is
-    folded into a constant (shape computations), it runs forward only (below the
-    lowest trained layer), it is a loop unrolled into flat operators, or
+    folded into a constant (shape computations), it is lowered into operators
+    that train (recurrent layers, unrolled over time), it runs forward only (below
+    the lowest trained layer), it is a loop unrolled into flat operators, or
     microtrain cannot run it."""
     op = spec(op_type)
     if op_type == "WHILE":
         return "unrolled"
+    if op.lowered:
+        return "lowered"
     if op.gradient:
         return "gradient"
     if op.fold:

@@ -29,7 +29,7 @@ from microtrain.precision import storage as runtime_dtype
 from microtrain.graph import Graph, batched, concrete_shape
 from microtrain.kernels.workspace import sharing
 from microtrain.loss_scale import LossScale
-from microtrain.metrics import METRICS, default_metric
+from microtrain.metrics import bind, default_metric
 from microtrain.optimizers import make_optimizer
 from microtrain.precision import Underflow
 
@@ -223,8 +223,8 @@ def measure_scratch(art: Artifacts, batch: int) -> list[int]:
         mem = Memory(art, n)
         plan = compile_plan(art, mem, n, Hooks(art, LossScale(), Underflow()))
         with sharing(mem.workspace):  # as the Trainer binds its metric
-            meter = METRICS[default_metric(art.training.loss)](
-                plan.outputs[0], plan.targets[0], art.training.loss)
+            meter = bind(default_metric(art.training.loss), plan.outputs, plan.targets,
+                         art.training)
         return held_bytes((plan, meter), exclude=(mem, art)) + held_bytes(mem.workspace)
     return _fit(at, scratch_points(batch))
 

@@ -23,19 +23,54 @@ How to add an operator
    its properties; then `python scripts/operator_table.py` to refresh the
    README's table (tests/test_operators.py fails while it is stale).
 An op with a weight that trains sets `weight` (and `bias`) to their input
-positions; `layer=True` if its input gradient (gradient of input 0) is emitted
+positions, or `weight=CONSTANT_OPERAND` for an elementwise op whose constant
+operand is a per-feature parameter in some of its uses (a LayerNorm's gamma in a
+MUL, a bias a converter adds after a bias-less matmul, an added position table:
+see `parameter_operand`); `layer=True` if its input gradient (gradient of input 0) is emitted
 as one operator whose inputs are [dY, W] (adaptive loss scaling scales there);
 `row_grad` if its weight gradient is one operator whose output's leading axis is
 the output channel, computed from [dY, X] (the memory budget may train a block
-of rows); `options` names its builtin options table in the circle schema, which
+of rows); `ids` if its weight is a table whose rows it reads at the ids of that
+input (an embedding lookup: the data loader checks them); `options` names its builtin options table in the circle schema, which
 the writer gives it when a backprop graph uses it.
 """
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
+
+import numpy as np
 
 from microtrain.kernels import KERNELS, VERSIONS
 
 from . import fold, gradients
+
+
+# `weight` of an op whose trainable input is whichever operand is a constant parameter
+CONSTANT_OPERAND = "constant operand"
+
+
+class Operand(NamedTuple):
+    """What decides whether an input can train: its shape (-1 or a symbolic -k
+    for the batch), whether it is floating point and whether it is a constant."""
+    shape: tuple
+    floating: bool
+    constant: bool
+
+
+def parameter_operand(inputs: list[Operand | None], output: tuple) -> int | None:
+    """The position of the constant operand that is a per-feature parameter of
+    an elementwise op, None when there is none: one operand constant, the other
+    computed; the constant floating point, with more than one value (not a
+    scalar such as a LayerNorm's epsilon), and broadcast to the output: of a
+    lower rank or a different shape (a constant of the output's own shape, such
+    as a batch-1 loop's zero initial state, holds a sample's values, not
+    parameters)."""
+    if len(inputs) != 2 or None in inputs or [x.constant for x in inputs].count(True) != 1:
+        return None
+    position = 0 if inputs[0].constant else 1
+    c = inputs[position]
+    if not c.floating or int(np.prod(c.shape)) <= 1 or len(c.shape) > len(output):
+        return None
+    return position if len(c.shape) < len(output) or tuple(c.shape) != tuple(output) else None
 
 
 @dataclass(frozen=True)
@@ -43,11 +78,13 @@ class Operator:
     name: str  # circle builtin operator name, or a custom op's custom_code
     gradient: Callable | None = None  # gradient rule (trainconf/gradients.py)
     fold: Callable | None = None  # value of its output from constant inputs (fold.py)
-    weight: int | None = None  # input position of a weight that can train
+    weight: int | str | None = None  # input position of a trainable weight, or CONSTANT_OPERAND
     bias: int | None = None  # input position of the bias that trains with it
     layer: bool = False  # its input gradient is a layer for adaptive loss scaling
     row_grad: str | None = None  # the weight-gradient op whose rows are output channels
+    ids: int | None = None  # an embedding lookup's input of row ids into its weight (the table)
     options: str | None = None  # its builtin options table, for the backprop graph's writer
+    lowered: bool = False  # split rewrites it into operators that train (trainconf/recurrent.py)
 
     @property
     def forward(self) -> bool:
@@ -62,6 +99,21 @@ class Operator:
     @property
     def weighted(self) -> bool:
         return self.weight is not None
+
+    @property
+    def kernel(self) -> bool:
+        """Its weight sits at a fixed input (a matmul or convolution kernel, PRELU's alpha)."""
+        return isinstance(self.weight, int)
+
+    def weight_input(self, inputs: list[Operand | None], output: tuple) -> int | None:
+        """The position of the input that trains in this use of the op, None
+        when none can (absent, computed, or not a parameter)."""
+        if self.weight == CONSTANT_OPERAND:
+            return parameter_operand(inputs, output)
+        if not self.kernel or self.weight >= len(inputs) or inputs[self.weight] is None \
+                or not inputs[self.weight].constant:
+            return None
+        return self.weight
 
 
 # The options tables of the activations declared below in bulk (the others have none).
@@ -102,9 +154,9 @@ _ENTRIES = [
       for name in gradients.INPUT_ACTIVATION_OPS),
     Operator("LOG_SOFTMAX", gradients.log_softmax, options="LogSoftmaxOptions"),
     Operator("PRELU", gradients.prelu, weight=1),  # its alpha trains
-    Operator("ADD", gradients.add_sub, options="AddOptions"),
-    Operator("SUB", gradients.add_sub, options="SubOptions"),
-    Operator("MUL", gradients.mul, options="MulOptions"),
+    Operator("ADD", gradients.add_sub, weight=CONSTANT_OPERAND, options="AddOptions"),
+    Operator("SUB", gradients.add_sub, weight=CONSTANT_OPERAND, options="SubOptions"),
+    Operator("MUL", gradients.mul, weight=CONSTANT_OPERAND, options="MulOptions"),
     Operator("DIV", gradients.div, options="DivOptions"),
     Operator("SQUARED_DIFFERENCE", gradients.squared_difference,
              options="SquaredDifferenceOptions"),
@@ -122,7 +174,9 @@ _ENTRIES = [
     Operator("SLICE", gradients.slice_, options="SliceOptions"),
     Operator("SPLIT", gradients.split, options="SplitOptions"),
     Operator("SPLIT_V", gradients.split, options="SplitVOptions"),
-    Operator("GATHER", gradients.gather, fold=fold.gather, options="GatherOptions"),
+    # embedding tables: the weight is the table, whose gradient is a row scatter-add
+    Operator("GATHER", gradients.gather, fold=fold.gather, weight=0, ids=1, options="GatherOptions"),
+    Operator("EMBEDDING_LOOKUP", gradients.embedding_lookup, weight=1, ids=0),
     Operator("RESIZE_BILINEAR", gradients.resize_bilinear, options="ResizeBilinearOptions"),
     Operator("RESIZE_NEAREST_NEIGHBOR", gradients.resize_nearest_neighbor,
              options="ResizeNearestNeighborOptions"),
@@ -151,6 +205,12 @@ _ENTRIES = [
     Operator("ONE_HOT", options="OneHotOptions"),
     Operator("ARG_MAX", options="ArgMaxOptions"),
     Operator("ARG_MIN", options="ArgMinOptions"),
+    # fused recurrent layers: unrolled over time at split into the operators above
+    Operator("UNIDIRECTIONAL_SEQUENCE_LSTM", lowered=True,
+             options="UnidirectionalSequenceLSTMOptions"),
+    Operator("BIDIRECTIONAL_SEQUENCE_LSTM", lowered=True,
+             options="BidirectionalSequenceLSTMOptions"),
+    Operator("UNIDIRECTIONAL_SEQUENCE_RNN", lowered=True, options="SequenceRNNOptions"),
     # shape computations, folded into constants at split
     Operator("SHAPE", fold=fold.shape, options="ShapeOptions"),
     Operator("PACK", fold=fold.pack, options="PackOptions"),

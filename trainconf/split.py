@@ -18,14 +18,15 @@ from microtrain.optimizers import make_optimizer
 from microtrain.parameters import Resolved, resolve
 from microtrain.precision import TYPES, dtype_of
 
-from .backprop import LOGITS_OF, LOSSES, REDUCTIONS, Backprop, Builder, build_backprop
+from .backprop import LOGITS_OF, Backprop, Builder, LossSpec, build_backprop, check_loss
 from .budget import fit_budget, parse_size
 from .circle_plus import METADATA as CIRCLE_PLUS, read_circle_plus
 from .constants import resolve_constants, untie_weights
 from .batch import FixedBatch, infer_batch
 from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .operators import FOLDS, ROW_GRADS
-from .select import select_trainable
+from .recurrent import lower_recurrent
+from .select import id_inputs, select_trainable
 from .support import check_forward
 from .unroll import unroll_loops
 from .writer import graph_to_model, set_constant, tensor_type
@@ -187,13 +188,15 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
           weight_dtype: str | None = None, activation_dtype: str | None = None,
           grad_dtype: str | None = None, memory_budget: str | int | None = None,
           optimizer: str | None = None, batch_size: int | None = None, accum_steps: int = 1,
-          epochs: int | None = None, force: bool = False, **hyperparameters) -> SplitResult:
+          epochs: int | None = None, ignore_index: int | None = None, from_logits: bool = False,
+          force: bool = False, **hyperparameters) -> SplitResult:
     """Write STEM.frozen.circle, STEM.wof and STEM.backprop.circle for MODEL.
     What is not given (None) comes from the model's circle+ CIRCLE_TRAINING when
     it has one, else the defaults; the training parameters (optimizer and its
     hyperparameters, batch size, epochs) are recorded for `microtrain run`.
     The planned peak memory is estimated for the batch size, the optimizer and
-    `accum_steps` (batches accumulated per update); with `memory_budget`
+    `accum_steps` (batches accumulated per update); `ignore_index` and
+    `from_logits` qualify the loss (LossSpec); with `memory_budget`
     (bytes, or a size such as "64KiB") what trains is chosen so that it fits
     (trainconf/budget.py) instead of by `trainable`."""
     model_path = Path(model_path)
@@ -208,7 +211,7 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
 
         def make(choose) -> Built:
             return build(model_path, choose, setup.loss, setup.reduction, types,
-                         params.batch_size, params)
+                         params.batch_size, params, ignore_index, from_logits)
         if memory_budget is None:
             built = make(lambda g: (select_trainable(g, setup.trainable, freeze_bias), {}))
             budget = None
@@ -281,6 +284,7 @@ def load_prepared(model_path: Path, types: dict):
     resolve_constants(model)
     untie_weights(model)
     unroll_loops(model)  # after untying: one loop's steps share its weights
+    lower_recurrent(model)  # likewise the steps of a fused recurrent layer
     g, batch = make_batch_symbolic(model, graph_of(model))
     check_dataflow(g, model_path, set())
     set_activation_dtype(model, g, dtype_of(types.activations))
@@ -288,7 +292,8 @@ def load_prepared(model_path: Path, types: dict):
 
 
 def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
-          parameters: TrainingParameters | None = None) -> Built:
+          parameters: TrainingParameters | None = None, ignore_index: int | None = None,
+          from_logits: bool = False) -> Built:
     """Split the model at `model_path`; `choose(graph)` returns the trainable
     tensors (in execution order) and the rows {tensor: (lo, hi)} of those that
     train only some of their rows.  The kernel scratch is measured at batch 1
@@ -298,17 +303,19 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
     remove_metadata(model, CIRCLE_PLUS)  # its operator indices predate the folding
     weights, rows = choose(g)
     loss = loss or default_loss(g)
-    if loss not in LOSSES or reduction not in REDUCTIONS:
-        raise UserError(None, f"unknown loss {loss!r} or reduction {reduction!r}")
+    chosen = LossSpec(loss, reduction, ignore_index, from_logits)
+    check_loss(g, chosen)
     grad_dtype = dtype_of(types.gradients)
-    bp = build_backprop(g, weights, loss, reduction, grad_dtype)
+    bp = build_backprop(g, weights, chosen, grad_dtype=grad_dtype)
     slice_rows(bp, g, rows, grad_dtype)
     arrays = cut_weights(model, weights)
     last = g.producers().get(g.outputs[0])
     training = TrainingMeta(version=TrainingMeta.VERSION, loss=loss, reduction=reduction,
                             trainable=list(weights), precision=types, batch=model_batch,
                             stable_logits_loss=last is not None and LOGITS_OF.get(loss) == last.type,
-                            rows=dict(rows), parameters=parameters or TrainingParameters())
+                            ignore_index=ignore_index, from_logits=from_logits,
+                            rows=dict(rows), vocab=id_inputs(g),
+                            parameters=parameters or TrainingParameters())
     set_metadata(model, TrainingMeta.NAME, training.to_json())
     frozen_bytes = model_to_bytes(model)
     for t in weights:  # as the runtime reads the frozen model

@@ -169,13 +169,61 @@ _PROBABILITY_LOSSES = {"mse": _mse, "mae": _mae, "bce": _bce, "cce": _cce,
                        "sparse_cce": _sparse_cce}
 
 
+def _kept_tokens(t, y2, ignore, sparse):
+    """(closure, target, kept) for a loss that ignores the tokens of class
+    `ignore` (ids equal to it; one-hot rows of it): target [rows, C] is the
+    one-hot or given target with those rows zero, kept [rows, 1] 1 or 0."""
+    kept = scratch((y2.shape[0], 1), y2.dtype)
+    if sparse:
+        fill, target = _one_hot(t, y2)
+        labels = t.reshape(kept.shape)
+        keep = partial(np.not_equal, labels, labels.dtype.type(ignore), out=kept)
+    else:
+        given, target = rows(t.reshape(y2.shape)), _temp(y2)
+        fill = partial(np.copyto, target, given)
+        keep = partial(np.equal, given[:, ignore:ignore + 1], 0, out=kept)
+
+    def step():
+        fill()
+        keep()
+        np.multiply(target, kept, out=target)
+    return step, target, kept
+
+
+def _ignoring(make, y, t, out, dy, reduction, ignore, sparse):
+    """Loss `make(target, scale)` over the kept tokens only: ignored ones add
+    nothing to the loss, the gradient or a mean's count (torch's ignore_index,
+    Keras's ignore_class).  `make` gets the dense target with ignored rows zero
+    and computes the sum; a mean then divides by the kept tokens of the step."""
+    if not sparse and not 0 <= ignore < y.shape[-1]:
+        raise OperatorError(None, f"ignore_index {ignore} is not a class of the "
+                                  f"{y.shape[-1]}-class output")
+    prepare, target, kept = _kept_tokens(t, rows(y), ignore, sparse)
+    inner = make(target, 1.0)
+    mean = reduction == "mean"
+    _scale(y, reduction)  # refuses an unknown reduction
+
+    def step():
+        prepare()
+        inner()
+        if mean:
+            count = max(float(np.add.reduce(kept, axis=None)), 1.0)
+            out[0] /= count
+            np.multiply(dy, dy.dtype.type(1 / count), out=dy)
+    return step
+
+
 @kernel("Loss")
-def loss(inputs, outputs, loss="mse", reduction="mean", **_):
+def loss(inputs, outputs, loss="mse", reduction="mean", ignore_index=None, **_):
     """Keras loss `loss` of predictions y against targets t (see each
-    _<loss> for the math); the gradient is zero where Keras clips."""
+    _<loss> for the math); the gradient is zero where Keras clips.
+    `ignore_index` (cce, sparse_cce): tokens of that class are left out."""
     (y, t), (out, dy) = inputs, outputs
     if loss not in _PROBABILITY_LOSSES:
         raise OperatorError(None, f"Loss: unsupported loss {loss!r}")
+    if ignore_index is not None and loss in ("cce", "sparse_cce"):
+        return _ignoring(lambda target, scale: _cce(y, target, out, dy, scale),
+                         y, t, out, dy, reduction, ignore_index, loss == "sparse_cce")
     return _PROBABILITY_LOSSES[loss](y, t, out, dy, _scale(y, reduction))
 
 
@@ -259,18 +307,23 @@ def _softmax_xent_from_output(z, t, y, out, dz, scale, beta, sparse):
 
 @kernel("LogitsLoss")
 def logits_loss(inputs, outputs, loss="cce", activation="softmax", beta=1.0,
-                reduction="mean", **_):
-    """Loss of act(z) for a model whose final op is `activation`, computed from
-    the logits z (Keras' from_logits path): cce/sparse_cce on softmax(beta*z),
-    bce on sigmoid(z).  A third input, the forward softmax output, lets
-    cce/sparse_cce skip recomputing the softmax."""
+                reduction="mean", ignore_index=None, **_):
+    """Loss of act(z) for a model whose final op is `activation` (or whose
+    output is logits: `--from-logits`), computed from the logits z (Keras'
+    from_logits path): cce/sparse_cce on softmax(beta*z), bce on sigmoid(z).
+    A third input, the forward softmax output, lets cce/sparse_cce skip
+    recomputing the softmax.  `ignore_index`: as in Loss."""
     (z, t, *y), (out, dz) = inputs, outputs
     scale = _scale(z, reduction)
     if activation == "softmax" and loss in ("cce", "sparse_cce"):
-        if y and y[0] is not None:
-            return _softmax_xent_from_output(z, t, y[0], out, dz, scale, beta,
-                                             loss == "sparse_cce")
-        return _softmax_xent(z, t, out, dz, scale, beta, loss == "sparse_cce")
+        def xent(target, scale, sparse=loss == "sparse_cce"):
+            if y and y[0] is not None:
+                return _softmax_xent_from_output(z, target, y[0], out, dz, scale, beta, sparse)
+            return _softmax_xent(z, target, out, dz, scale, beta, sparse)
+        if ignore_index is not None:
+            return _ignoring(partial(xent, sparse=False), z, t, out, dz, reduction,
+                             ignore_index, loss == "sparse_cce")
+        return xent(t, scale)
     if activation == "logistic" and loss == "bce":
         return _sigmoid_xent(z, t, out, dz, scale)
     raise OperatorError(None, f"LogitsLoss: unsupported {loss!r} after {activation!r}")
