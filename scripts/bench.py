@@ -22,8 +22,7 @@ The sequence rows (an LSTM text classifier, a 2-layer transformer encoder; built
 scripts/bench_sequence.py with the official converter) race microtrain against PyTorch
 eager (the same architecture in torch.nn) and Keras 3 `fit` on the Keras model itself
 (in --tf-python), Adam, the same batches, every runtime at --threads threads, the three
-alternating as above; their embedding tables train in PyTorch and Keras only with
---train-embedding.
+alternating as above; everything trains, the embedding tables too.
 """
 import cProfile
 import json
@@ -290,7 +289,7 @@ def sequence_models(ws: Workspace, tf_python: str) -> Path:
 
 
 def bench_sequence(ws: Workspace, name: str, rounds: int, epochs: int, threads: int,
-                   tf_python: str, train_embedding: bool) -> dict:
+                   tf_python: str) -> dict:
     """microtrain, PyTorch eager and Keras fit training one sequence model, alternating."""
     from microtrain.errors import UserError
     from trainconf.split import split
@@ -304,7 +303,6 @@ def bench_sequence(ws: Workspace, name: str, rounds: int, epochs: int, threads: 
     spec = {"x": str(folder / "tokens.npy"), "y": str(folder / "labels.npy"), "optimizer": "adam",
             "learning_rate": LEARNING_RATES["adam"], "batch": BATCH, "loss": "cce",
             "arch": arch, "threads": threads, "frozen": str(result.frozen),
-            "train_embedding": train_embedding,
             "model": str(folder / f"{arch}.keras")}
     env = {v: str(threads) for v in THREAD_VARIABLES}
     workers = {"microtrain": ws.worker("microtrain", spec, env=env),
@@ -333,8 +331,7 @@ def sequence_markdown(report: dict) -> str:
              f"{s['threads']} thread(s) each; medians over {s['rounds']} rounds x {s['epochs']} "
              "epochs per runtime after a discarded warm-up epoch, the three runtimes "
              "alternating.  microtrain trains what `trainconf split --trainable all` makes "
-             "trainable; PyTorch and Keras train every parameter but the embedding tables"
-             f"{'' if not s.get('train_embedding') else ' (here: and those)'}:", "",
+             "trainable, PyTorch and Keras every parameter (embedding tables too):", "",
              "| model | microtrain ms/step | PyTorch eager ms/step | Keras fit ms/step | "
              "ratio microtrain/PyTorch | ratio microtrain/Keras | trainable parameters "
              "microtrain / PyTorch / Keras | peak MiB microtrain / PyTorch / Keras | "
@@ -629,26 +626,21 @@ def _check_models(ctx, param, value: str) -> list[str]:
               help="Threads of every runtime in the sequence rows (BLAS, torch, TensorFlow).")
 @click.option("--tf-python", default=TF_PYTHON, show_default=True,
               help="Interpreter with TensorFlow and Keras 3, for the sequence rows.")
-@click.option("--train-embedding", is_flag=True,
-              help="PyTorch and Keras train the embedding tables too (for a microtrain whose "
-                   "--trainable all includes them).")
 def main(models, rounds, epochs, quick, markdown_path, json_path, precision_only, profile,
-         threads, tf_python, train_embedding):
+         threads, tf_python):
     rounds = rounds or (1 if quick else 5)
     epochs = epochs or (2 if quick else 3)
     start = time.perf_counter()
     report = {"machine": machine(), "settings": {"batch": BATCH, "learning_rates": LEARNING_RATES,
                                                  "rounds": rounds, "epochs": epochs,
-                                                 "threads": threads,
-                                                 "train_embedding": train_embedding},
+                                                 "threads": threads},
               "rows": [], "sequence": [], "load_average": {"start": os.getloadavg()[0]}}
     sequence = [] if precision_only else [n for n in models if n in SEQUENCE]
     models = [n for n in models if n in MODELS]
     with tempfile.TemporaryDirectory() as tmp:
         ws = Workspace(Path(tmp), QUICK_SAMPLES if quick else None)
         for name in sequence:
-            report["sequence"].append(bench_sequence(ws, name, rounds, epochs, threads, tf_python,
-                                                     train_embedding))
+            report["sequence"].append(bench_sequence(ws, name, rounds, epochs, threads, tf_python))
             click.echo(f"sequence: {name} done", err=True)
         for name in [] if precision_only else models:
             for optimizer in LEARNING_RATES:

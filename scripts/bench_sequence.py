@@ -38,7 +38,7 @@ def build(keras, name: str, batch):
     return keras.Model(ids, L.Dense(CLASSES, activation="softmax")(x))
 
 
-def torch_model(name: str, train_embedding: bool):
+def torch_model(name: str):
     """The same architecture in torch.nn (PyTorch's initialisers): returns logits, the
     softmax being in the loss."""
     import torch
@@ -51,7 +51,7 @@ def torch_model(name: str, train_embedding: bool):
             if name == "lstm":
                 self.body = nn.LSTM(WIDTH, UNITS, batch_first=True)
             else:
-                self.position = nn.Embedding(SEQ, WIDTH)
+                self.position = nn.Parameter(torch.randn(1, SEQ, WIDTH))
                 self.body = nn.TransformerEncoder(nn.TransformerEncoderLayer(
                     WIDTH, HEADS, FFN, dropout=0.0, batch_first=True), LAYERS,
                     enable_nested_tensor=False)
@@ -61,14 +61,9 @@ def torch_model(name: str, train_embedding: bool):
             x = self.embed(ids)
             if name == "lstm":
                 return self.head(self.body(x)[1][0][0])  # the last hidden state
-            x = self.body(x + self.position(torch.arange(SEQ))[None])
-            return self.head(x.mean(1))
+            return self.head(self.body(x + self.position).mean(1))
 
-    model = Classifier()
-    for table in (model.embed, getattr(model, "position", None)):
-        if table is not None:
-            table.weight.requires_grad_(train_embedding)
-    return model
+    return Classifier()
 
 
 def main(out: Path) -> None:

@@ -140,8 +140,7 @@ def _timed_epochs(n: int, epoch, steps: int) -> dict:
 
 class Torch:
     """PyTorch eager: the architecture of scripts/bench_sequence.py rebuilt with torch.nn,
-    its embedding tables frozen (as microtrain trains them on main), Adam with Keras's
-    epsilon, cross-entropy on the logits against the one-hot targets."""
+    Adam with Keras's epsilon, cross-entropy on the logits against the one-hot targets."""
 
     def __init__(self, spec: dict):
         import torch
@@ -149,8 +148,8 @@ class Torch:
         torch.set_num_threads(spec["threads"])
         torch.manual_seed(0)
         self.torch = torch
-        self.model = torch_model(spec["arch"], spec.get("train_embedding", False))
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.model = torch_model(spec["arch"])
+        params = list(self.model.parameters())
         self.optimizer = {"adam": lambda: torch.optim.Adam(params, spec["learning_rate"], eps=1e-7),
                           "sgd": lambda: torch.optim.SGD(params, spec["learning_rate"])}[
             spec["optimizer"]]()
@@ -171,8 +170,7 @@ class Torch:
         return _timed_epochs(n, self.epoch, self.steps)
 
     def held(self) -> dict:
-        return {"trainable_parameters": sum(p.numel() for p in self.model.parameters()
-                                            if p.requires_grad)}
+        return {"trainable_parameters": sum(p.numel() for p in self.model.parameters())}
 
     def final_loss(self) -> float:
         with self.torch.no_grad():
@@ -180,8 +178,7 @@ class Torch:
 
 
 class Keras:
-    """Keras 3 `fit` (its defaults: compiled train function) on the .keras model, its
-    Embedding layers frozen unless the spec says otherwise."""
+    """Keras 3 `fit` (its defaults: compiled train function) on the .keras model."""
 
     def __init__(self, spec: dict):
         import keras
@@ -189,9 +186,6 @@ class Keras:
         tf.config.threading.set_intra_op_parallelism_threads(spec["threads"])
         tf.config.threading.set_inter_op_parallelism_threads(spec["threads"])
         self.model = keras.models.load_model(spec["model"])
-        for layer in self.model.layers:
-            if isinstance(layer, keras.layers.Embedding):
-                layer.trainable = spec.get("train_embedding", False)
         opt = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD}[spec["optimizer"]]
         self.model.compile(optimizer=opt(spec["learning_rate"]), loss="categorical_crossentropy")
         self.x, self.y, self.batch = np.load(spec["x"]), np.load(spec["y"]), spec["batch"]
