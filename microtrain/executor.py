@@ -8,6 +8,7 @@ kernels of both lists take their temporaries from one workspace
 (kernels/workspace.py).
 """
 import math
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -208,15 +209,20 @@ KERNEL_FAILURES = (ValueError, IndexError, TypeError, KeyError, AttributeError, 
 
 
 def _run(steps: list, owners: list) -> None:
-    i = 0
+    pending = iter(steps)  # no enumerate: a failed step's index is found from what is left
     try:
-        for i, step in enumerate(steps):
+        for step in pending:
             step()
     except UserError as e:
-        raise _at_operator(e, owners[i]) from None
+        raise _at_operator(e, owners[_failed(steps, pending)]) from None
     except KERNEL_FAILURES as e:
-        raise _at_operator(OperatorError(None, f"cannot run on its tensors ({e})"), owners[i]) \
-            from None
+        raise _at_operator(OperatorError(None, f"cannot run on its tensors ({e})"),
+                           owners[_failed(steps, pending)]) from None
+
+
+def _failed(steps: list, pending) -> int:
+    """The index of the step that raised, the one before those `pending` still holds."""
+    return len(steps) - operator.length_hint(pending) - 1
 
 
 def _at_operator(e: UserError, owner) -> UserError:

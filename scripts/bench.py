@@ -17,6 +17,12 @@ the end, and that peak minus the peak right after the imports.
 When onert refuses a fixture, it gets the copy trainconf folds (symbolic batch,
 shape chains as constants, weights kept) and microtrain trains that copy too.
 The MLP-784 and MobileNetV2 rows train on seeded random data with one-hot targets.
+
+The sequence rows (an LSTM text classifier, a 2-layer transformer encoder; built by
+scripts/bench_sequence.py with the official converter) race microtrain against PyTorch
+eager (the same architecture in torch.nn) and Keras 3 `fit` on the Keras model itself
+(in --tf-python), Adam, the same batches, every runtime at --threads threads, the three
+alternating as above; everything trains, the embedding tables too.
 """
 import cProfile
 import json
@@ -45,6 +51,13 @@ QUICK_SAMPLES = 256
 # Pause before each switch of runtime: idle BLAS and thread-pool workers spin for
 # a while after their last job, which would steal a core from the other runtime.
 SETTLE_S = 0.2
+TF_PYTHON = "/opt/venvs/tf/bin/python"
+# sequence row -> (scripts/bench_sequence.py's .tflite, the architecture torch and keras
+# train); rows race microtrain, torch and keras
+SEQUENCE = {"lstm_text": ("lstm", "lstm"), "lstm_text_fused": ("lstm_fused", "lstm"),
+            "transformer_encoder": ("transformer", "transformer")}
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                    "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
 
 
 @dataclass(frozen=True)
@@ -117,9 +130,9 @@ def describe(m: dict) -> str:
 class Worker:
     """A bench_worker.py process: one runtime training one configuration."""
 
-    def __init__(self, runtime: str, spec: dict, env: dict):
+    def __init__(self, runtime: str, spec: dict, env: dict, python: str = sys.executable):
         self.runtime = runtime
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), runtime], text=True, env=env,
+        self.proc = subprocess.Popen([python, str(WORKER), runtime], text=True, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.hello = self.ask(spec)
         if self.refused:
@@ -188,8 +201,9 @@ class Workspace:
         self.splits: dict[Path, Path] = {}
         self.env = bytecode_env(folder / "pycache")
 
-    def worker(self, runtime: str, spec: dict) -> Worker:
-        return Worker(runtime, spec, self.env)
+    def worker(self, runtime: str, spec: dict, python: str = sys.executable,
+               env: dict | None = None) -> Worker:
+        return Worker(runtime, spec, {**self.env, **(env or {})}, python)
 
     def data(self, name: str) -> tuple[str, str, int]:
         """Paths of the inputs and targets, and the sample count.  Cut to whole batches:
@@ -261,6 +275,80 @@ def bench_config(ws: Workspace, name: str, optimizer: str, rounds: int, epochs: 
         for ratio, key in (("ratio", "ms_per_step"), ("compute_ratio", "compute_ms_per_step")):
             row[ratio] = row["microtrain"][key] / row["onert"][key]
     return row
+
+
+def sequence_models(ws: Workspace, tf_python: str) -> Path:
+    """scripts/bench_sequence.py's models and data, built once by `tf_python`."""
+    out = ws.folder / "sequence"
+    if not out.exists():
+        script = Path(__file__).resolve().parent / "bench_sequence.py"
+        env = {**ws.env, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        subprocess.run([tf_python, str(script), str(out)], env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return out
+
+
+def bench_sequence(ws: Workspace, name: str, rounds: int, epochs: int, threads: int,
+                   tf_python: str) -> dict:
+    """microtrain, PyTorch eager and Keras fit training one sequence model, alternating."""
+    from microtrain.errors import UserError
+    from trainconf.split import split
+    folder, (stem, arch) = sequence_models(ws, tf_python), SEQUENCE[name]
+    try:
+        result = split(folder / f"{stem}.tflite", ws.folder / f"split_{name}", loss="cce",
+                       optimizer="adam")
+    except UserError as e:  # an operator this branch cannot train yet
+        return {"model": name, "model_file": f"{stem}.tflite",
+                "refused": str(e).replace(f"{folder}/", "")}
+    spec = {"x": str(folder / "tokens.npy"), "y": str(folder / "labels.npy"), "optimizer": "adam",
+            "learning_rate": LEARNING_RATES["adam"], "batch": BATCH, "loss": "cce",
+            "arch": arch, "threads": threads, "frozen": str(result.frozen),
+            "model": str(folder / f"{arch}.keras")}
+    env = {v: str(threads) for v in THREAD_VARIABLES}
+    workers = {"microtrain": ws.worker("microtrain", spec, env=env),
+               "torch": ws.worker("torch", spec, env=env),
+               "keras": ws.worker("keras", spec, python=tf_python,
+                                  env={**env, "TF_CPP_MIN_LOG_LEVEL": "3"})}
+    replies = alternate(workers, rounds, epochs)
+    samples = len(np.load(spec["x"], mmap_mode="r"))
+    steps = -(-samples // BATCH)
+    row = {"model": name, "optimizer": "adam", "threads": threads, "samples": samples,
+           "steps_per_epoch": steps, "model_file": f"{stem}.tflite",
+           "trainable_parameters": {"microtrain": result.summary()["trainable_parameters"]}}
+    for runtime, worker in workers.items():
+        final = worker.finish()
+        row[runtime] = runtime_result(worker.hello, replies[runtime], final, steps)
+        if "trainable_parameters" in final:
+            row["trainable_parameters"][runtime] = final["trainable_parameters"]
+    for other in ("torch", "keras"):
+        row[f"ratio_{other}"] = row["microtrain"]["ms_per_step"] / row[other]["ms_per_step"]
+    return row
+
+
+def sequence_markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [f"Sequence models, Adam lr {LEARNING_RATES['adam']}, batch {BATCH}, "
+             f"{s['threads']} thread(s) each; medians over {s['rounds']} rounds x {s['epochs']} "
+             "epochs per runtime after a discarded warm-up epoch, the three runtimes "
+             "alternating.  microtrain trains what `trainconf split --trainable all` makes "
+             "trainable, PyTorch and Keras every parameter (embedding tables too):", "",
+             "| model | microtrain ms/step | PyTorch eager ms/step | Keras fit ms/step | "
+             "ratio microtrain/PyTorch | ratio microtrain/Keras | trainable parameters "
+             "microtrain / PyTorch / Keras | peak MiB microtrain / PyTorch / Keras | "
+             "final loss microtrain / PyTorch / Keras |", "|---|---|---|---|---|---|---|---|---|"]
+    runtimes = ("microtrain", "torch", "keras")
+    for row in report["sequence"]:
+        if "refused" in row:
+            lines.append(f"| {row['model']} | split refuses {row['model_file']}: "
+                         f"{row['refused']} |" + " |" * 8)
+            continue
+        cells = [row["model"], *(_ms(row[r]["ms_per_step"]) for r in runtimes),
+                 f"**{row['ratio_torch']:.2f}**", f"**{row['ratio_keras']:.2f}**",
+                 " / ".join(f"{row['trainable_parameters'].get(r, '–'):,}" for r in runtimes),
+                 " / ".join(f"{row[r]['peak_mib']:.0f}" for r in runtimes),
+                 " / ".join(f"{row[r]['final_loss']:.4f}" for r in runtimes)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def profile_epoch(ws: Workspace, row: dict) -> str:
@@ -507,16 +595,16 @@ def _check_output(ctx, param, path: Path | None) -> Path | None:
 
 def _check_models(ctx, param, value: str) -> list[str]:
     names = [n.strip() for n in value.split(",") if n.strip()]
-    unknown = [n for n in names if n not in MODELS]
+    unknown = [n for n in names if n not in MODELS and n not in SEQUENCE]
     if unknown or not names:
         raise click.BadParameter(f"unknown model(s) {', '.join(unknown) or '(none given)'}; "
-                                 f"choose from {', '.join(MODELS)}")
+                                 f"choose from {', '.join([*MODELS, *SEQUENCE])}")
     return names
 
 
 @click.command(help=__doc__)
-@click.option("--models", default=",".join(MODELS), show_default=True, callback=_check_models,
-              help="Comma-separated models to benchmark.")
+@click.option("--models", default=",".join([*MODELS, *SEQUENCE]), show_default=True,
+              callback=_check_models, help="Comma-separated models to benchmark.")
 @click.option("--rounds", type=click.IntRange(1), default=None,
               help="Alternations of the two runtimes per configuration [default: 5; 1 with --quick].")
 @click.option("--epochs", type=click.IntRange(1), default=None,
@@ -534,15 +622,26 @@ def _check_models(ctx, param, value: str) -> list[str]:
               help="After the table, print a cProfile of one microtrain epoch (top 10 by "
                    "cumulative and by own time) for every row where microtrain is slower "
                    "than onert.")
-def main(models, rounds, epochs, quick, markdown_path, json_path, precision_only, profile):
+@click.option("--threads", type=click.IntRange(1), default=1, show_default=True,
+              help="Threads of every runtime in the sequence rows (BLAS, torch, TensorFlow).")
+@click.option("--tf-python", default=TF_PYTHON, show_default=True,
+              help="Interpreter with TensorFlow and Keras 3, for the sequence rows.")
+def main(models, rounds, epochs, quick, markdown_path, json_path, precision_only, profile,
+         threads, tf_python):
     rounds = rounds or (1 if quick else 5)
     epochs = epochs or (2 if quick else 3)
     start = time.perf_counter()
     report = {"machine": machine(), "settings": {"batch": BATCH, "learning_rates": LEARNING_RATES,
-                                                 "rounds": rounds, "epochs": epochs},
-              "rows": [], "load_average": {"start": os.getloadavg()[0]}}
+                                                 "rounds": rounds, "epochs": epochs,
+                                                 "threads": threads},
+              "rows": [], "sequence": [], "load_average": {"start": os.getloadavg()[0]}}
+    sequence = [] if precision_only else [n for n in models if n in SEQUENCE]
+    models = [n for n in models if n in MODELS]
     with tempfile.TemporaryDirectory() as tmp:
         ws = Workspace(Path(tmp), QUICK_SAMPLES if quick else None)
+        for name in sequence:
+            report["sequence"].append(bench_sequence(ws, name, rounds, epochs, threads, tf_python))
+            click.echo(f"sequence: {name} done", err=True)
         for name in [] if precision_only else models:
             for optimizer in LEARNING_RATES:
                 row = bench_config(ws, name, optimizer, rounds, epochs)
@@ -550,7 +649,7 @@ def main(models, rounds, epochs, quick, markdown_path, json_path, precision_only
                 if profile and row.get("ratio", 0) > 1:
                     row["profile"] = profile_epoch(ws, row)
                 report["rows"].append(row)
-        if not precision_only:
+        if report["rows"]:
             report["tools"] = tool_times(Path(tmp))
         report["precision"] = []
         for name in models:
@@ -565,7 +664,9 @@ def main(models, rounds, epochs, quick, markdown_path, json_path, precision_only
             f"Machine: {describe(report['machine'])}; 1-minute load average {load['start']:.2f} "
             f"before the run, {load['end']:.2f} after; medians over {rounds} rounds x {epochs} "
             "epochs per configuration after a discarded warm-up epoch, the configurations "
-            "alternating in fresh processes.\n") + extra_markdown(report)
+            "alternating in fresh processes.\n")
+    text += extra_markdown(report) if models else ""
+    text += "\n" + sequence_markdown(report) if report["sequence"] else ""
     click.echo(text)
     for row in report["rows"]:
         if "profile" in row:

@@ -1,10 +1,13 @@
 """One runtime training one model, driven by scripts/bench.py over stdin/stdout.
 
-    python scripts/bench_worker.py microtrain|onert
+    python scripts/bench_worker.py microtrain|onert|torch|keras
 
 It imports only the standard library, numpy and its own runtime, so its resident
-memory is that runtime's.  The protocol is one JSON object per line each way:
-  {"model", "frozen", "x", "y", "optimizer", "learning_rate", "batch", "loss"[, "loss_scale"]}
+memory is that runtime's (keras runs in the interpreter that has TensorFlow).  The
+protocol is one JSON object per line each way:
+  {"model", "frozen", "x", "y", "optimizer", "learning_rate", "batch", "loss"[, "loss_scale"]
+   [, "arch", "threads"]}  (torch and keras: the sequence architecture and the thread count;
+   keras reads its `model` from a .keras file)
       -> {"baseline_kib", "refused"}  (the peak RSS after the imports; a refusal reason or null)
   {"epochs": n} -> {"epoch_ms": [...], "compute_ms_per_step": [...]}
   {"finish": true} -> {"peak_kib", "final_loss"[, "data_bytes", "held_bytes"]}, then the
@@ -125,8 +128,98 @@ class Onert:
         return float(np.mean(batch_losses))
 
 
+def _timed_epochs(n: int, epoch, steps: int) -> dict:
+    """Wall times of n calls of epoch(), and per step (all of it is compute)."""
+    walls = []
+    for _ in range(n):
+        start = time.perf_counter()
+        epoch()
+        walls.append(1000 * (time.perf_counter() - start))
+    return {"epoch_ms": walls, "compute_ms_per_step": [w / steps for w in walls]}
+
+
+class Torch:
+    """PyTorch eager: the architecture of scripts/bench_sequence.py rebuilt with torch.nn,
+    Adam with Keras's epsilon, cross-entropy on the logits against the one-hot targets."""
+
+    def __init__(self, spec: dict):
+        import torch
+        from bench_sequence import torch_model
+        torch.set_num_threads(spec["threads"])
+        torch.manual_seed(0)
+        self.torch = torch
+        self.model = torch_model(spec["arch"])
+        params = list(self.model.parameters())
+        self.optimizer = {"adam": lambda: torch.optim.Adam(params, spec["learning_rate"], eps=1e-7),
+                          "sgd": lambda: torch.optim.SGD(params, spec["learning_rate"])}[
+            spec["optimizer"]]()
+        self.x = torch.from_numpy(np.load(spec["x"]).astype(np.int64))
+        self.y = torch.from_numpy(np.load(spec["y"]))
+        self.batch = spec["batch"]
+        self.steps = -(-len(self.x) // self.batch)
+
+    def epoch(self) -> None:
+        for i in range(0, len(self.x), self.batch):
+            self.optimizer.zero_grad()
+            loss = self.torch.nn.functional.cross_entropy(
+                self.model(self.x[i:i + self.batch]), self.y[i:i + self.batch])
+            loss.backward()
+            self.optimizer.step()
+
+    def epochs(self, n: int) -> dict:
+        return _timed_epochs(n, self.epoch, self.steps)
+
+    def held(self) -> dict:
+        return {"trainable_parameters": sum(p.numel() for p in self.model.parameters())}
+
+    def final_loss(self) -> float:
+        with self.torch.no_grad():
+            return float(self.torch.nn.functional.cross_entropy(self.model(self.x), self.y))
+
+
+class Keras:
+    """Keras 3 `fit` (its defaults: compiled train function) on the .keras model."""
+
+    def __init__(self, spec: dict):
+        import keras
+        import tensorflow as tf
+        tf.config.threading.set_intra_op_parallelism_threads(spec["threads"])
+        tf.config.threading.set_inter_op_parallelism_threads(spec["threads"])
+        self.model = keras.models.load_model(spec["model"])
+        opt = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD}[spec["optimizer"]]
+        self.model.compile(optimizer=opt(spec["learning_rate"]), loss="categorical_crossentropy")
+        self.x, self.y, self.batch = np.load(spec["x"]), np.load(spec["y"]), spec["batch"]
+        self.steps = -(-len(self.x) // self.batch)
+        self.walls = []
+        walls, clock = self.walls, {}
+
+        class EpochTimes(keras.callbacks.Callback):  # the epochs alone, not fit's set-up
+            def on_epoch_begin(self, epoch, logs=None):
+                clock["start"] = time.perf_counter()
+
+            def on_epoch_end(self, epoch, logs=None):
+                walls.append(1000 * (time.perf_counter() - clock["start"]))
+        self.callback = EpochTimes()
+
+    def epochs(self, n: int) -> dict:
+        del self.walls[:]
+        self.model.fit(self.x, self.y, batch_size=self.batch, epochs=n, shuffle=False,
+                       verbose=0, callbacks=[self.callback])
+        return {"epoch_ms": list(self.walls),
+                "compute_ms_per_step": [w / self.steps for w in self.walls]}
+
+    def held(self) -> dict:
+        return {"trainable_parameters": int(sum(np.prod(w.shape)
+                                                for w in self.model.trainable_weights))}
+
+    def final_loss(self) -> float:
+        return float(self.model.evaluate(self.x, self.y, batch_size=self.batch, verbose=0))
+
+
 RUNTIMES = {"microtrain": ("microtrain.trainer", Microtrain),
-            "onert": ("onert.experimental.train", Onert)}
+            "onert": ("onert.experimental.train", Onert),
+            "torch": ("torch", Torch),
+            "keras": ("keras", Keras)}
 
 
 def serve(runtime: str) -> None:

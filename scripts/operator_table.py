@@ -29,7 +29,8 @@ def _trains(op) -> str:
         return "every weight, through time"
     if not op.weighted:
         return ""
-    parts = [f"input {op.weight}" + (f", bias input {op.bias}" if op.bias is not None else "")]
+    where = f"input {op.weight}" if op.kernel else "a per-feature constant operand"
+    parts = [where + (f", bias input {op.bias}" if op.bias is not None else "")]
     if op.row_grad:
         parts.append("rows")
     if op.layer:

@@ -93,14 +93,17 @@ def test_a_batch_1_sequence_reshape_becomes_symbolic(tmp_path):
 
 
 def time_major(m: GraphMaker) -> tuple[int, int]:
-    """A batch-1 graph that reads its sequence time-major, as Keras 3's unrolled RNN
-    loops do: RESHAPE [1, T, D] -> [T, 1, D], then GATHER of each step on axis 0."""
+    """A batch-1 graph that reads its sequence time-major: RESHAPE [1, T, D] ->
+    [T, 1, D], then a SLICE of each step on axis 0 (Keras 3's unrolled loops GATHER
+    their steps, which trainconf/sequence_reads.py reads batch-major instead)."""
     x = m.tensor((1, T, D))
     seq = m.op("RESHAPE", [x, m.tensor((3,), [T, 1, D], INT)], (T, 1, D))
     w = m.weight(U, D)
     h = None
     for step in range(T):
-        x_t = m.op("GATHER", [seq, m.tensor((), step, INT)], (1, D), axis=0)
+        at = m.op("SLICE", [seq, m.tensor((3,), [step, 0, 0], INT),
+                            m.tensor((3,), [1, 1, D], INT)], (1, 1, D))
+        x_t = m.op("RESHAPE", [at, m.tensor((2,), [1, D], INT)], (1, D))
         z = m.op("FULLY_CONNECTED", [x_t, w], (1, U))
         h = z if h is None else m.op("ADD", [h, z], (1, U))
         h = m.op("TANH", [h], (1, U))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernel_check import numeric_grad, run
+from microtrain.kernels import build
 from tflite_op import tflite_run
 
 rng = np.random.default_rng(13)
@@ -160,6 +161,24 @@ def test_gather_matches_tflite_and_its_grad_torch(x_shape, indices, axis):
                                                               axis % len(x_shape) + index.ndim))),
                           x64, dy)
     np.testing.assert_allclose(dx, reference, rtol=1e-14)
+
+
+def test_gather_reads_computed_indices_at_every_call():
+    """Token ids are computed: the step built once gathers the ids its input holds when it
+    runs (as LiteRT does with the ids fed), and its gradient adds at those ids."""
+    table = f32(6, 3)
+    ids, y, dx = np.zeros((2, 2), np.int32), np.zeros((2, 2, 3), np.float32), np.zeros((6, 3))
+    forward = build("GATHER", [table, ids], [y], axis=0)
+    dy = rng.normal(size=(2, 2, 3))
+    backward = build("GatherGrad", [dy, ids], [dx], axis=0)
+    for fed in ([[5, 1], [1, 0]], [[2, 3], [4, 2]]):
+        ids[...] = fed
+        forward()
+        want = tflite_run("GATHER", [table, i32(fed)], [(2, 2, 3)], axis=0)[0]
+        np.testing.assert_array_equal(y, want)
+        backward()
+        reference = torch_vjp(lambda t: t[torch.tensor(fed)], table.astype(np.float64), dy)
+        np.testing.assert_allclose(dx, reference, rtol=1e-14)
 
 
 REDUCE = [((3, 4, 5), [1], False), ((3, 4, 5), [0, 2], True), ((2, 3, 4, 5), [-1, 1], False)]

@@ -266,3 +266,20 @@ def test_planned_peak_is_what_a_run_holds(tmp_path, name):
     assert 0.98 * planned <= held <= planned, (held, result.memory)
     if "memory_budget" in split_options:
         assert held <= 100_000
+
+
+@pytest.mark.parametrize("failing", [0, 1, 2])
+def test_a_failing_step_is_named_by_its_own_operator(failing):
+    """_run finds the index of the step that raised (it runs without enumerate)."""
+    from types import SimpleNamespace
+
+    from microtrain.executor import _run
+
+    def step(i):
+        def run():
+            if i == failing:
+                raise ValueError("shapes do not fit")
+        return run
+    owners = [("model.circle", SimpleNamespace(index=10 + i, type=f"OP{i}")) for i in range(3)]
+    with pytest.raises(UserError, match=rf"operator {10 + failing} \(OP{failing}\).*shapes"):
+        _run([step(i) for i in range(3)], owners)

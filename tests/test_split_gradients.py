@@ -292,6 +292,44 @@ def attention(m: GraphMaker):
     return [x], [m.op("SOFTMAX", [out], (-1, 3))], (4, 8), "cce"
 
 
+def layer_norm(m: GraphMaker, x: int, gamma: int, beta: int | None) -> int:
+    """Keras 3's LayerNormalization over the last axis as the converter writes it:
+    x·inv + (−mean·inv + beta), inv = rsqrt(var + eps)·gamma."""
+    shape = m.tensors[x].shape
+    stats = shape[:-1] + (1,)
+    axis = m.tensor((1,), [len(shape) - 1], np.int32)
+    mean = m.op("MEAN", [x, axis], stats, keep_dims=True)
+    var = m.op("MEAN", [m.op("SQUARED_DIFFERENCE", [x, mean], shape), axis], stats,
+               keep_dims=True)
+    rsqrt = m.op("RSQRT", [m.op("ADD", [var, m.tensor((), 1e-3)], stats)], stats)
+    inv = m.op("MUL", [rsqrt, gamma], shape)
+    offset = m.op("MUL", [m.op("NEG", [mean], stats), inv], shape)
+    if beta is not None:
+        offset = m.op("ADD", [offset, beta], shape)
+    return m.op("ADD", [m.op("MUL", [x, inv], shape), offset], shape)
+
+
+def keras_parameters(m: GraphMaker):
+    """Parameters Keras layers keep outside weighted ops, as converters leave them: an
+    added position table, a Tensordot dense's bias added after its bias-less
+    FULLY_CONNECTED and a RESHAPE, two LayerNorms reading one gamma tensor (the
+    converter stores identical constants once), one with a beta, and a constant that
+    is SUB's first operand; the LayerNorms' scalar epsilon stays a constant."""
+    x = m.tensor((-1, 4, 6))
+    placed = m.op("ADD", [x, m.weight(1, 4, 6)], (-1, 4, 6))
+    dense = m.op("FULLY_CONNECTED", [placed, m.weight(6, 6)], (-1, 4, 6), keep_num_dims=True)
+    flat = m.op("RESHAPE", [dense, m.tensor((2,), [-1, 24], np.int32)], (-1, 24))
+    biased = m.op("ADD", [flat, m.weight(24)], (-1, 24))
+    h = m.op("RESHAPE", [biased, m.tensor((3,), [-1, 4, 6], np.int32)], (-1, 4, 6))
+    gamma = m.tensor((1, 1, 6), np.ones((1, 1, 6)))  # Keras's initial scales, stored once
+    h = layer_norm(m, m.op("ADD", [h, placed], (-1, 4, 6)), gamma, m.weight(6))
+    h = layer_norm(m, m.op("TANH", [h], (-1, 4, 6)), gamma, None)
+    h = m.op("SUB", [m.weight(4, 1), h], (-1, 4, 6))
+    pooled = m.op("MEAN", [h, m.tensor((1,), [1], np.int32)], (-1, 6), keep_dims=False)
+    out = m.op("FULLY_CONNECTED", [pooled, m.weight(3, 6), m.weight(3)], (-1, 3))
+    return [x], [m.op("SOFTMAX", [out], (-1, 3))], (4, 6), "cce"
+
+
 def _targets(loss: str, out_shape, n: int) -> np.ndarray:
     if loss == "cce":
         return np.eye(out_shape[-1], dtype=np.float32)[RNG.integers(0, out_shape[-1], n)]
@@ -302,7 +340,7 @@ def _targets(loss: str, out_shape, n: int) -> np.ndarray:
 
 @pytest.mark.parametrize("build", [conv_block, elementwise, shape_ops, logistic_head,
                                    mobile_activations, layout_ops, upsampling, landmarks,
-                                   sequence_ops, attention])
+                                   sequence_ops, attention, keras_parameters])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_rule_gradients_match_torch(build, reduction, tmp_path):
     m = GraphMaker()
@@ -359,3 +397,39 @@ def test_slices_of_a_batch_of_one_take_the_whole_batch(tmp_path):
     path = m.save(tmp_path / "batch_one.circle", [x], [out])
     x_data = RNG.normal(0, 1, (5, 6)).astype(np.float32)
     check_gradients(path, tmp_path, x_data, _targets("mse", (1, 3), 5), "mse")
+
+
+def _trained_names(result) -> list[str]:
+    return [t["name"] for t in result.trainable]
+
+
+def test_parameters_of_elementwise_ops_train_as_keras_layers(tmp_path):
+    """keras_parameters' constants train with `all` (the shared gamma as one copy per
+    LayerNorm, the epsilon not); the bias added after the dense trains with it and
+    freezes with --freeze-bias; `last:N` counts each parameter as a layer but for
+    that bias, which belongs to its dense."""
+    m = GraphMaker()
+    inputs, outputs, _, _ = keras_parameters(m)
+    path = m.save(tmp_path / "params.circle", inputs, outputs)
+    named = {t.shape: t.name for t in m.tensors if t.data is not None}
+    table, kernel, bias, gamma, beta, first, head, head_bias = (named[s] for s in (
+        (1, 4, 6), (6, 6), (24,), (1, 1, 6), (6,), (4, 1), (3, 6), (3,)))
+    assert _trained_names(split(path, tmp_path, loss="cce")) == [
+        table, kernel, bias, f"{gamma}@op11", beta, f"{gamma}@op23", first, head, head_bias]
+    frozen = _trained_names(split(path, tmp_path, loss="cce", freeze_bias=True))
+    assert bias not in frozen and head_bias not in frozen and beta in frozen
+    assert _trained_names(split(path, tmp_path, loss="cce", trainable="last:2")) == \
+        [first, head, head_bias]
+    assert _trained_names(split(path, tmp_path, loss="cce", trainable="last:6"))[:2] == \
+        [kernel, bias]  # the dense and its bias: one layer
+
+
+def test_a_constant_of_the_activations_shape_is_not_a_parameter(tmp_path):
+    """A constant of an activation's own shape holds a sample's values (the zero initial
+    state of a batch-1 LSTM, unrolled: the graph keeps its batch of 1): it stays constant,
+    while the LSTM's bias, added after its two bias-less matmuls, trains with them."""
+    trained = _trained_names(split(FIXTURES / "loops" / "lstm.tflite", tmp_path))
+    assert [name.rsplit("/", 1)[-1] for name in trained] == [
+        "MatMul_1", "MatMul", "ReadVariableOp", "MatMul1"]  # U, W, the cell's bias, dense
+    assert len(_trained_names(split(FIXTURES / "loops" / "lstm.tflite", tmp_path,
+                                    trainable="last:2"))) == 4  # the cell is one layer

@@ -17,7 +17,7 @@ from microtrain.graph import Graph, Op
 from microtrain.lazy import DEFAULT_EMBEDDING_UPDATE
 
 from .operators import spec
-from .select import bias_of, kernel_of, weighted_ops
+from .select import Weighted, weighted_ops
 
 UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3,
          "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3}
@@ -35,14 +35,14 @@ def parse_size(text) -> int:
 @dataclass
 class Stage:
     """Train `part` ("bias", "rows" or "all") of `op` and all of the `later` ops."""
-    op: Op
+    unit: Weighted
     part: str
-    later: list[Op]
+    later: list[Weighted]
 
     def choose(self, g: Graph, k: int):
         """The trainable tensors (execution order) and partial rows; `k` rows for "rows"."""
-        kernel, bias = kernel_of(self.op), bias_of(self.op)
-        tensors = [t for op in self.later for t in (kernel_of(op), bias_of(op)) if t is not None]
+        kernel, bias = self.unit.kernel, self.unit.bias
+        tensors = [t for u in self.later for t in (u.kernel, u.bias) if t is not None]
         rows = {}
         if self.part != "bias":
             tensors.append(kernel)
@@ -56,26 +56,26 @@ class Stage:
 
     def describe(self, g: Graph, k: int) -> list[dict]:
         """What trains, by operator (named by its kernel tensor)."""
-        kernel = g.tensors[kernel_of(self.op)]
-        mine = {"op": self.op.index, "kernel": kernel.name, "part": self.part}
+        kernel = g.tensors[self.unit.kernel]
+        mine = {"op": self.unit.op.index, "kernel": kernel.name, "part": self.part}
         if self.part == "rows":
             mine["rows"] = [kernel.shape[0] - k, kernel.shape[0]]
-        return [mine] + [{"op": op.index, "kernel": g.tensors[kernel_of(op)].name, "part": "all"}
-                         for op in self.later]
+        return [mine] + [{"op": u.op.index, "kernel": g.tensors[u.kernel].name, "part": "all"}
+                         for u in self.later]
 
 
 def stages(g: Graph) -> list[Stage]:
     """Every choice, smallest first."""
     result, later = [], []
-    for op in reversed(weighted_ops(g)):
-        if bias_of(op) is not None:
-            result.append(Stage(op, "bias", list(later)))
+    for unit in reversed(weighted_ops(g)):
+        if unit.bias is not None:
+            result.append(Stage(unit, "bias", list(later)))
         # a block of rows of such a kernel (leading axis = output channel) is
         # contiguous, so it can be a slice of the runtime's flat parameter buffer
-        if spec(op.type).row_grad and g.tensors[kernel_of(op)].shape[0] > 1:
-            result.append(Stage(op, "rows", list(later)))
-        result.append(Stage(op, "all", list(later)))
-        later.insert(0, op)
+        if spec(unit.op.type).row_grad and g.tensors[unit.kernel].shape[0] > 1:
+            result.append(Stage(unit, "rows", list(later)))
+        result.append(Stage(unit, "all", list(later)))
+        later.insert(0, unit)
     return result
 
 
@@ -115,7 +115,7 @@ def fit_budget(make, g: Graph, budget: int, batch: int, optimizer: str, accum_st
     i = _last_fitting(lambda j: peak_of(j) <= budget, 0, len(choices) - 1)
     k = 1
     if choices[i].part == "rows":
-        out = g.tensors[kernel_of(choices[i].op)].shape[0]
+        out = g.tensors[choices[i].unit.kernel].shape[0]
         k = _last_fitting(lambda n: peak_of(i, n) <= budget, 1, out - 1)
     trains = choices[i].describe(g, k)
     return built[i, k][0], {"bytes": budget, "trains": trains, "text": text(trains),

@@ -177,8 +177,12 @@ def export_command(frozen: Path, as_json: bool, **options):
     split needed are dropped; activations get back float32 and the batch
     dimension the split model had (dynamic, or a fixed 1); shape chains stay
     folded (a dynamic-batch Flatten is a RESHAPE to a constant shape with -1 as
-    its batch).  A .tflite holds only what TFLite's schema has: a model with a
-    circle-only operator, options table or tensor type is refused."""
+    its batch; another shape holding a dynamic batch is computed at run time).
+    Recurrent layers and loops stay unrolled, as split wrote them; operators
+    onert lacks or misreads (EMBEDDING_LOOKUP, SELECT on integers,
+    FULLY_CONNECTED keeping dims) are written as ones that compute the same
+    values in both runtimes.  A .tflite holds only what TFLite's schema has: a
+    model with a circle-only operator, options table or tensor type is refused."""
     summary = export(frozen, **options).summary()
     if as_json:
         print_json(summary)

@@ -19,7 +19,7 @@ from microtrain.errors import UserError
 from microtrain.format import circle_generated as circle
 from microtrain.format.model import TYPE_NAMES, buffer_array, int_list, op_name, tensor_dtype
 
-from .operators import spec
+from .operators import Operand, spec
 from .writer import set_constant
 
 QUANTIZED_TYPES = {circle.TensorType.INT8, circle.TensorType.UINT8, circle.TensorType.INT16,
@@ -183,7 +183,9 @@ def untie_weights(model) -> int:
     for k, op in enumerate(sg.operators):
         props = spec(op_name(model, op))
         inputs = int_list(op.inputs)
-        for position in (props.weight, props.bias):
+        weight = props.weight_input([_operand(model, t) for t in inputs],
+                                    _shape(sg.tensors[int_list(op.outputs)[0]]))
+        for position in (weight, props.bias if weight is not None else None):
             if position is None or position >= len(inputs) or inputs[position] < 0:
                 continue
             t = inputs[position]
@@ -199,6 +201,21 @@ def untie_weights(model) -> int:
 
 def _uniform(value: np.ndarray | None) -> bool:
     return value is not None and (value.size == 0 or bool(np.all(value == value.flat[0])))
+
+
+def _shape(tensor) -> tuple:
+    """Its shape, -1 for a dynamic dimension."""
+    return tuple(int_list(tensor.shapeSignature) or int_list(tensor.shape))
+
+
+def _operand(model, t: int) -> Operand | None:
+    if t < 0:
+        return None
+    tensor = model.subgraphs[0].tensors[t]
+    constant = _is_constant(model, tensor)
+    value = buffer_array(model, tensor) if constant else None
+    return Operand(_shape(tensor), tensor_dtype(tensor).kind == "f", constant,
+                   value is not None and not value.any())
 
 
 def _copy(model, t: int, name: str) -> int:

@@ -7,7 +7,9 @@ dimension the split model had (`batch` in the training metadata: dynamic, or a
 fixed 1); the training metadata goes, and so do tensors no operator reads any
 more (the outputs of folded shape chains).  Shape chains stay folded: the
 RESHAPE that a dynamic-batch Flatten became reads a constant shape with -1 as
-its batch, which TFLite and onert infer at run time.
+its batch, which TFLite and onert infer at run time.  Recurrent layers stay
+unrolled; trainconf/portable.py writes what onert lacks as operators it runs,
+with the same values, and computes at run time any other shape holding the batch.
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from microtrain.graph import BATCH, graph_of
 
 from .circle_plus import METADATA as CIRCLE_PLUS, set_circle_plus, to_circle_plus
 from .importer import TFLITE_VERSION
+from .portable import make_portable
 from .select import weighted_ops
 from .split import activations
 from .writer import set_constant
@@ -71,6 +74,7 @@ def export(frozen, output, wof=None, weights: str = "fp32", traininfo: bool = Fa
         set_constant(model, t, np.asarray(value, np.float32))
     batch = art.training.batch
     restore_activations(model, batch)
+    make_portable(model, batch)
     remove_metadata(model, TRAINING_META)
     remove_metadata(model, CIRCLE_PLUS)
     trainable_ops = trainable_operators(model, set(art.weights))
@@ -101,14 +105,14 @@ def export(frozen, output, wof=None, weights: str = "fp32", traininfo: bool = Fa
 
 def restore_activations(model, batch: int) -> None:
     """Give activations float32 (the split may have made them float16) and, for a
-    model whose batch was a fixed 1, that batch instead of the split's -1."""
+    model whose batch was a fixed 1, that batch instead of the split's -1 (integer
+    tensors such as token ids too)."""
     sg = model.subgraphs[0]
     g = graph_of(model)
     for t in activations(g):
-        tensor = sg.tensors[t]
-        tensor.type = circle.TensorType.FLOAT32
-        if batch != BATCH:
-            tensor.shapeSignature = None
+        sg.tensors[t].type = circle.TensorType.FLOAT32
+    for t in set(g.inputs) | {t for op in g.ops for t in op.outputs} if batch != BATCH else ():
+        sg.tensors[t].shapeSignature = None
     if batch == BATCH:
         return
     for op in g.ops:  # the split wrote RESHAPE's batch as -1: its rows at batch 1 again
@@ -123,7 +127,7 @@ def trainable_operators(model, trained: set[int]) -> list[int]:
     """circle+'s trainable_ops: every operator from the lowest one whose weights
     train to the last, except weighted operators whose weights stay frozen."""
     g = graph_of(model)
-    weighted = {op.index: bool(trained & set(op.inputs)) for op in weighted_ops(g)}
+    weighted = {u.op.index: bool(trained & {u.kernel, u.bias}) for u in weighted_ops(g)}
     lowest = min(i for i, trains in weighted.items() if trains)
     return [i for i in range(lowest, len(g.ops)) if weighted.get(i, True)]
 

@@ -23,7 +23,10 @@ How to add an operator
    its properties; then `python scripts/operator_table.py` to refresh the
    README's table (tests/test_operators.py fails while it is stale).
 An op with a weight that trains sets `weight` (and `bias`) to their input
-positions; `layer=True` if its input gradient (gradient of input 0) is emitted
+positions, or `weight=CONSTANT_OPERAND` for an elementwise op whose constant
+operand is a per-feature parameter in some of its uses (a LayerNorm's gamma in a
+MUL, a bias a converter adds after a bias-less matmul, an added position table:
+see `parameter_operand`); `layer=True` if its input gradient (gradient of input 0) is emitted
 as one operator whose inputs are [dY, W] (adaptive loss scaling scales there);
 `row_grad` if its weight gradient is one operator whose output's leading axis is
 the output channel, computed from [dY, X] (the memory budget may train a block
@@ -32,11 +35,47 @@ input (an embedding lookup: the data loader checks them); `options` names its bu
 the writer gives it when a backprop graph uses it.
 """
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
+import numpy as np
+
+from microtrain.graph import concrete_shape
 from microtrain.kernels import KERNELS, VERSIONS
 
 from . import fold, gradients
+
+
+# `weight` of an op whose trainable input is whichever operand is a constant parameter
+CONSTANT_OPERAND = "constant operand"
+
+
+class Operand(NamedTuple):
+    """What decides whether an input can train: its shape (-1 or a symbolic -k
+    for the batch), whether it is floating point, whether it is a constant and
+    whether that constant is all zeros."""
+    shape: tuple
+    floating: bool
+    constant: bool
+    zeros: bool = False
+
+
+def parameter_operand(inputs: list[Operand | None], output: tuple) -> int | None:
+    """The position of the constant operand that is a per-feature parameter of
+    an elementwise op, None when there is none: one operand constant, the other
+    computed; the constant floating point, with more than one value (not a
+    scalar such as a LayerNorm's epsilon), and either broadcast to the output (of
+    a lower rank or a different shape than one sample's output) or, of that
+    shape, not all zeros: a zero constant of one sample's shape is a recurrent
+    layer's initial state (a batch-1 loop's h0 and c0), a position table is not."""
+    if len(inputs) != 2 or None in inputs or [x.constant for x in inputs].count(True) != 1:
+        return None
+    position = 0 if inputs[0].constant else 1
+    c = inputs[position]
+    if not c.floating or int(np.prod(c.shape)) <= 1 or len(c.shape) > len(output):
+        return None
+    if len(c.shape) == len(output) and tuple(c.shape) == concrete_shape(tuple(output), 1):
+        return None if c.zeros else position
+    return position
 
 
 @dataclass(frozen=True)
@@ -44,13 +83,14 @@ class Operator:
     name: str  # circle builtin operator name, or a custom op's custom_code
     gradient: Callable | None = None  # gradient rule (trainconf/gradients.py)
     fold: Callable | None = None  # value of its output from constant inputs (fold.py)
-    weight: int | None = None  # input position of a weight that can train
+    weight: int | str | None = None  # input position of a trainable weight, or CONSTANT_OPERAND
     bias: int | None = None  # input position of the bias that trains with it
     layer: bool = False  # its input gradient is a layer for adaptive loss scaling
     row_grad: str | None = None  # the weight-gradient op whose rows are output channels
     ids: int | None = None  # an embedding lookup's input of row ids into its weight (the table)
     options: str | None = None  # its builtin options table, for the backprop graph's writer
     lowered: bool = False  # split rewrites it into operators that train (trainconf/recurrent.py)
+    shape: int | None = None  # the input that is its output's shape (export restores its batch)
 
     @property
     def forward(self) -> bool:
@@ -65,6 +105,21 @@ class Operator:
     @property
     def weighted(self) -> bool:
         return self.weight is not None
+
+    @property
+    def kernel(self) -> bool:
+        """Its weight sits at a fixed input (a matmul or convolution kernel, PRELU's alpha)."""
+        return isinstance(self.weight, int)
+
+    def weight_input(self, inputs: list[Operand | None], output: tuple) -> int | None:
+        """The position of the input that trains in this use of the op, None
+        when none can (absent, computed, or not a parameter)."""
+        if self.weight == CONSTANT_OPERAND:
+            return parameter_operand(inputs, output)
+        if not self.kernel or self.weight >= len(inputs) or inputs[self.weight] is None \
+                or not inputs[self.weight].constant:
+            return None
+        return self.weight
 
 
 # The options tables of the activations declared below in bulk (the others have none).
@@ -105,9 +160,9 @@ _ENTRIES = [
       for name in gradients.INPUT_ACTIVATION_OPS),
     Operator("LOG_SOFTMAX", gradients.log_softmax, options="LogSoftmaxOptions"),
     Operator("PRELU", gradients.prelu, weight=1),  # its alpha trains
-    Operator("ADD", gradients.add_sub, options="AddOptions"),
-    Operator("SUB", gradients.add_sub, options="SubOptions"),
-    Operator("MUL", gradients.mul, options="MulOptions"),
+    Operator("ADD", gradients.add_sub, weight=CONSTANT_OPERAND, options="AddOptions"),
+    Operator("SUB", gradients.add_sub, weight=CONSTANT_OPERAND, options="SubOptions"),
+    Operator("MUL", gradients.mul, weight=CONSTANT_OPERAND, options="MulOptions"),
     Operator("DIV", gradients.div, options="DivOptions"),
     Operator("SQUARED_DIFFERENCE", gradients.squared_difference,
              options="SquaredDifferenceOptions"),
@@ -149,7 +204,7 @@ _ENTRIES = [
     Operator("SELECT_V2", gradients.select, options="SelectV2Options"),
     Operator("CAST", gradients.reshape, options="CastOptions"),  # float to float: dY itself
     Operator("REVERSE_V2", gradients.reverse_v2, options="ReverseV2Options"),
-    Operator("BROADCAST_TO", gradients.broadcast_to, options="BroadcastToOptions"),
+    Operator("BROADCAST_TO", gradients.broadcast_to, options="BroadcastToOptions", shape=1),
     Operator("REDUCE_PROD", gradients.reduce_prod, fold=fold.reduce_prod, options="ReducerOptions"),
     Operator("TILE", gradients.tile, options="TileOptions"),
     Operator("CUMSUM", gradients.cumsum, options="CumsumOptions"),

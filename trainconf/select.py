@@ -1,49 +1,128 @@
-"""Choose which weights train: `all`, `last:N` weighted ops from the output, names,
-or the weighted ops among circle+'s trainable operators."""
+"""Choose which weights train: `all`, `last:N` layers from the output, names,
+or the weighted ops among circle+'s trainable operators.
+
+A weighted op is a kernel op (FULLY_CONNECTED, CONV_2D, ... with a constant
+weight) or an elementwise op whose constant operand is a per-feature parameter
+(trainconf/operators.py: `parameter_operand`).  Such a parameter ADD/SUB right
+after bias-less kernel ops (through RESHAPEs and sums of their outputs: a
+converter's Tensordot, Keras 3's LSTM cell x·W + h·U + b) is their bias: it
+trains with them, `--freeze-bias` freezes it, and it is not a layer of its own.
+"""
+from dataclasses import dataclass
+
 from microtrain.errors import UserError
 from microtrain.graph import Graph, Op
 
-from .operators import WEIGHTED, spec
+from .operators import WEIGHTED, Operand, spec
 
 
-def weighted_ops(g: Graph) -> list[Op]:
-    """Ops with a constant weight input, in execution order."""
-    return [op for op in g.ops if spec(op.type).weighted
-            and g.tensors[op.inputs[spec(op.type).weight]].data is not None]
+@dataclass
+class Weighted:
+    """A weighted op, its weight tensor and its bias (None when it has none)."""
+    op: Op
+    kernel: int
+    bias: int | None
 
 
-def layers(ops: list[Op]) -> list[list[Op]]:
-    """Weighted ops grouped by their weight tensor, in the order of each group's
-    first op: the steps of an unrolled loop share one weight and are one layer."""
-    groups: dict[int, list[Op]] = {}
-    for op in ops:
-        groups.setdefault(kernel_of(op), []).append(op)
-    return list(groups.values())
+def operand(g: Graph, t: int) -> Operand | None:
+    if t < 0:
+        return None
+    tensor = g.tensors[t]
+    return Operand(tuple(tensor.shape), tensor.dtype.kind == "f", tensor.data is not None,
+                   tensor.data is not None and not tensor.data.any())
 
 
-def kernel_of(op: Op) -> int:
-    """The weight tensor of a weighted op."""
-    return op.inputs[spec(op.type).weight]
+def weight_position(g: Graph, op: Op) -> int | None:
+    """The input of `op` that can train, None when none can."""
+    return spec(op.type).weight_input([operand(g, t) for t in op.inputs],
+                                      tuple(g.tensors[op.outputs[0]].shape))
 
 
-def bias_of(op: Op) -> int | None:
-    """The bias tensor of a weighted op, None when it has none."""
+def weighted_ops(g: Graph) -> list[Weighted]:
+    """The weighted ops in execution order, a bias a later ADD/SUB adds included."""
+    units: dict[int, Weighted] = {}
+    attached: set[int] = set()
+    readers: dict[int, int] = {}
+    for op in g.ops:
+        for t in op.inputs:
+            readers[t] = readers.get(t, 0) + 1
+    for op in g.ops:
+        position = weight_position(g, op)
+        if position is None:
+            continue
+        hosts = _bias_hosts(g, op, position, units, readers)
+        if hosts:
+            for host in hosts:
+                host.bias = op.inputs[position]
+            attached.add(op.index)
+        units[op.index] = Weighted(op, op.inputs[position], _bias_input(op))
+    return [w for i, w in units.items() if i not in attached]
+
+
+def _bias_input(op: Op) -> int | None:
     position = spec(op.type).bias
     if position is None or position >= len(op.inputs) or op.inputs[position] < 0:
         return None
     return op.inputs[position]
 
 
-def _weights_of(op: Op, freeze_bias: bool) -> list[int]:
-    bias = None if freeze_bias else bias_of(op)
-    return [kernel_of(op)] + ([bias] if bias is not None else [])
+def _bias_hosts(g: Graph, op: Op, position: int, units: dict, readers: dict) -> list[Weighted]:
+    """The bias-less kernel ops whose outputs the parameter ADD/SUB `op` adds its
+    constant to (their sum, reshaped), each output read on that path alone; []
+    when its other operand is anything else."""
+    if op.type not in ("ADD", "SUB"):
+        return []
+    producers = g.producers()
+    hosts, pending = [], [op.inputs[1 - position]]
+    while pending:
+        t = pending.pop()
+        source = producers.get(t)
+        if source is None or readers.get(t, 0) != 1:
+            return []
+        unit = units.get(source.index)
+        if unit is not None and spec(source.type).kernel and unit.bias is None:
+            hosts.append(unit)
+        elif source.type == "RESHAPE":
+            pending.append(source.inputs[0])
+        elif source.type == "ADD" and weight_position(g, source) is None \
+                and all(g.tensors[x].data is None for x in source.inputs):
+            pending.extend(source.inputs)
+        else:
+            return []
+    return hosts
 
 
-def _named(g: Graph, ops: list[Op], names: list[str], freeze_bias: bool) -> list[int]:
+def layers(units: list[Weighted]) -> list[list[Weighted]]:
+    """Weighted ops grouped into the layers `last:N` counts, in the order of each
+    layer's first op: ops sharing a weight or bias are one layer (the steps of an
+    unrolled loop; an LSTM cell's kernels, which share their bias)."""
+    parent: dict[int, int] = {}  # union-find over the weight tensors
+
+    def root(t: int) -> int:
+        while parent.setdefault(t, t) != t:
+            parent[t] = parent[parent[t]]
+            t = parent[t]
+        return t
+    for unit in units:
+        if unit.bias is not None:
+            parent[root(unit.bias)] = root(unit.kernel)
+    groups: dict[int, list[Weighted]] = {}
+    for unit in units:  # in execution order: each layer in the order of its first op
+        groups.setdefault(root(unit.kernel), []).append(unit)
+    return list(groups.values())
+
+
+def _weights_of(unit: Weighted, freeze_bias: bool) -> list[int]:
+    bias = None if freeze_bias else unit.bias
+    return [unit.kernel] + ([bias] if bias is not None else [])
+
+
+def _named(g: Graph, units: list[Weighted], names: list[str], freeze_bias: bool) -> list[int]:
     by_name: dict[str, list[int]] = {}
-    for op in ops:
-        by_name.setdefault(g.tensors[op.outputs[0]].name, []).extend(_weights_of(op, freeze_bias))
-        for t in _weights_of(op, False):
+    for unit in units:
+        by_name.setdefault(g.tensors[unit.op.outputs[0]].name, []).extend(
+            _weights_of(unit, freeze_bias))
+        for t in _weights_of(unit, False):
             by_name.setdefault(g.tensors[t].name, []).append(t)
     chosen: list[int] = []
     for name in names:
@@ -60,23 +139,24 @@ def select_trainable(g: Graph, spec: str | set[int], freeze_bias: bool = False) 
     text, or the output tensors of the operators circle+'s trainable_ops names."""
     if isinstance(spec, set):
         return select_by_outputs(g, spec, freeze_bias)
-    ops = weighted_ops(g)
-    if not ops:
+    units = weighted_ops(g)
+    if not units:
         raise UserError(None, f"the model has no weighted operator ({', '.join(WEIGHTED)}) "
                               "with constant weights to train")
     if spec == "all":
-        chosen = [t for op in ops for t in _weights_of(op, freeze_bias)]
+        chosen = [t for unit in units for t in _weights_of(unit, freeze_bias)]
     elif spec.startswith("last:"):
         try:
             n = int(spec[5:])
         except ValueError:
             n = 0
-        groups = layers(ops)
+        groups = layers(units)
         if not 1 <= n <= len(groups):
             raise UserError(None, f"--trainable {spec}: N must be between 1 and {len(groups)}")
-        chosen = [t for layer in groups[-n:] for op in layer for t in _weights_of(op, freeze_bias)]
+        chosen = [t for layer in groups[-n:] for unit in layer
+                  for t in _weights_of(unit, freeze_bias)]
     else:
-        chosen = _named(g, ops, [s.strip() for s in spec.split(",") if s.strip()], freeze_bias)
+        chosen = _named(g, units, [s.strip() for s in spec.split(",") if s.strip()], freeze_bias)
     if not chosen:
         raise UserError(None, f"--trainable {spec!r} chooses nothing to train "
                               "(all, last:N or a comma list of names)", "--trainable")
@@ -86,8 +166,8 @@ def select_trainable(g: Graph, spec: str | set[int], freeze_bias: bool = False) 
 def select_by_outputs(g: Graph, outputs: set[int], freeze_bias: bool = False) -> list[int]:
     """The weights of the weighted ops that write one of `outputs` (tensor indices:
     they name an operator across the split's folding, which renumbers operators)."""
-    chosen = [t for op in weighted_ops(g) if op.outputs[0] in outputs
-              for t in _weights_of(op, freeze_bias)]
+    chosen = [t for unit in weighted_ops(g) if unit.op.outputs[0] in outputs
+              for t in _weights_of(unit, freeze_bias)]
     if not chosen:
         raise UserError(None, "circle+'s trainable_ops name no weighted operator "
                               f"({', '.join(WEIGHTED)}): give --trainable")
@@ -114,11 +194,12 @@ def id_inputs(g: Graph) -> dict[int, int]:
     (GATHER/EMBEDDING_LOOKUP on a constant table), directly or through the ops
     above; rows: those of the smallest such table."""
     producers, vocab = g.producers(), {}
-    for op in weighted_ops(g):
+    for unit in weighted_ops(g):
+        op = unit.op
         if spec(op.type).ids is None or op.options.get("axis", 0) != 0:
             continue
         ids = op.inputs[spec(op.type).ids]
-        rows = g.tensors[kernel_of(op)].shape[0]
+        rows = g.tensors[unit.kernel].shape[0]
         todo, seen = [ids], set()
         while todo:
             t = todo.pop()

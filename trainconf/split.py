@@ -28,6 +28,7 @@ from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .operators import FOLDS, ROW_GRADS
 from .recurrent import lower_recurrent
 from .select import id_inputs, select_trainable
+from .sequence_reads import read_sequences_batch_major
 from .support import check_forward
 from .unroll import unroll_loops
 from .writer import graph_to_model, set_constant, tensor_type
@@ -288,6 +289,7 @@ def load_prepared(model_path: Path, types: dict):
     untie_weights(model)
     unroll_loops(model)  # after untying: one loop's steps share its weights
     lower_recurrent(model)  # likewise the steps of a fused recurrent layer
+    read_sequences_batch_major(model)  # a batch-1 Keras RNN's steps, so it trains batched
     g, batch = make_batch_symbolic(model, graph_of(model))
     check_dataflow(g, model_path, set())
     set_activation_dtype(model, g, dtype_of(types.activations))

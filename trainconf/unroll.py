@@ -207,11 +207,12 @@ class Unroller:
 
     def _fold(self, s: int, op, inputs: list) -> list[Folded] | None:
         """The op's outputs computed now, when its inputs are all known and the
-        runtime has a kernel for it; None otherwise.  An op with a weight is
-        never folded: its weight may train."""
+        runtime has a kernel for it; None otherwise.  An op with a kernel is
+        never folded: its weight may train (an elementwise op on constants alone
+        has no parameter: parameters meet a computed operand)."""
         name = op_name(self.model, op)
         values = [self._value(r) for r in inputs]
-        if spec(name).weighted or name not in kernels.KERNELS or any(
+        if spec(name).kernel or name not in kernels.KERNELS or any(
                 v is None for r, v in zip(inputs, values) if r is not None) or \
                 kernels.version_problem(name, self.model.operatorCodes[op.opcodeIndex].version):
             return None

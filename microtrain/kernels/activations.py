@@ -136,10 +136,11 @@ def logistic(inputs, outputs, **_):
     """y = 1 / (1 + exp(-x)), computed as exp(-softplus(-x)): no overflow, and
     accurate in both tails."""
     (x,), (y,) = inputs, outputs
+    zero = constant(y, 0)  # a full array: ~25% faster on an LSTM gate's [1, 64]
 
     def step():
         np.negative(x, out=y)
-        np.logaddexp(0.0, y, out=y)  # as fast with a scalar as with a full array
+        np.logaddexp(zero, y, out=y)
         np.negative(y, out=y)
         np.exp(y, out=y)
     return step
@@ -166,6 +167,26 @@ def row_sums(a2, sums):
     return partial(np.dot, a2, filled((a2.shape[1], 1), a2.dtype, 1), out=sums)
 
 
+# Rows up to this long, and at least this many per element of a row, take their maxima
+# from a transposed copy: np.maximum.reduce along short rows costs ~50 ns a row
+# (attention scores [B*heads*T, T]: [2048, 32] 119 -> 58 µs); a maximum is exact,
+# so the result is the same.
+SHORT_ROW, MANY_ROWS = 64, 16
+
+
+def row_max(a2, out):
+    """A closure writing out [rows, 1] = the maximum of each row of the 2-D a2."""
+    n, w = a2.shape
+    if w > SHORT_ROW or n < MANY_ROWS * w:
+        return partial(np.maximum.reduce, a2, axis=1, keepdims=True, out=out)
+    columns, flat = scratch((w, n), a2.dtype), out.reshape(n)
+
+    def step():
+        np.copyto(columns, a2.T)
+        np.maximum.reduce(columns, axis=0, out=flat)
+    return step
+
+
 def row_exp(x2, beta, shifted, e, sums):
     """A closure writing, per row of the 2-D x2: shifted = beta*x2 - max(beta*x2),
     e = exp(shifted), sums = sum(e) (shape [rows, 1]).  Subtracting the row
@@ -173,11 +194,12 @@ def row_exp(x2, beta, shifted, e, sums):
     rowmax = scratch(sums.shape, sums.dtype)
     src = x2 if beta == 1 else shifted
     total = row_sums(e, sums)
+    maxima = row_max(src, rowmax)
 
     def step():
         if beta != 1:
             np.multiply(x2, beta, out=shifted)
-        np.maximum.reduce(src, axis=1, keepdims=True, out=rowmax)
+        maxima()
         np.subtract(src, rowmax, out=shifted)
         np.exp(shifted, out=e)
         total()
