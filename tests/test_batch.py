@@ -17,10 +17,10 @@ T, D, U, CLASSES = 5, 4, 6, 3
 INT = np.int32
 
 
-def _dense_over_sequence(m: GraphMaker, x: int, flat_shape) -> int:
-    """RESHAPE [B, T, D] -> flat_shape, FULLY_CONNECTED, RESHAPE back to [B, T, U]
-    (the converter's Tensordot), then a mean over time and a softmax head."""
-    flat = m.op("RESHAPE", [x, m.tensor((2,), flat_shape, INT)], (-1, D))
+def _dense_over_sequence(m: GraphMaker, x: int, target: int, flat_shape=(-1, D)) -> int:
+    """RESHAPE [B, T, D] -> target, FULLY_CONNECTED, RESHAPE back to [B, T, U] (the
+    converter's Tensordot), then a mean over time and a softmax head."""
+    flat = m.op("RESHAPE", [x, target], flat_shape)
     dense = m.op("FULLY_CONNECTED", [flat, m.weight(U, D), m.weight(U)], (-1, U),
                  fused_activation_function=1)
     seq = m.op("RESHAPE", [dense, m.tensor((3,), [-1, T, U], INT)], (-1, T, U))
@@ -46,14 +46,7 @@ def dynamic_tensordot(m: GraphMaker):
                   keep_dims=False)
     last = int_op(m, "GATHER", [shape, m.tensor((), 2, INT)], (), axis=0)
     target = int_op(m, "PACK", [rows, last], (2,), axis=0, values_count=2)
-    flat = m.op("RESHAPE", [x, target], (-1, -1))
-    dense = m.op("FULLY_CONNECTED", [flat, m.weight(U, D), m.weight(U)], (-1, U),
-                 fused_activation_function=1)
-    seq = m.op("RESHAPE", [dense, m.tensor((3,), [-1, T, U], INT)], (-1, T, U))
-    pooled = m.op("MEAN", [seq, m.tensor((1,), [1], INT)], (-1, U))
-    logits = m.op("FULLY_CONNECTED", [pooled, m.weight(CLASSES, U), m.weight(CLASSES)],
-                  (-1, CLASSES))
-    return x, m.op("SOFTMAX", [logits], (-1, CLASSES), beta=1.0)
+    return x, _dense_over_sequence(m, x, target, (-1, -1))
 
 
 def data(n: int):
@@ -78,7 +71,7 @@ def test_a_computed_reshape_of_a_dynamic_batch_holds_the_sequence_rows(tmp_path)
 def test_a_batch_1_sequence_reshape_becomes_symbolic(tmp_path):
     m = GraphMaker()
     x = m.tensor((1, T, D))
-    y = _dense_over_sequence(m, x, [T, D])  # the converter's static target at batch 1
+    y = _dense_over_sequence(m, x, m.tensor((2,), [T, D], INT))  # the converter's static target at batch 1
     m.tensors[x].shape = (1, T, D)
     path = m.save(tmp_path / "batch1.circle", [x], [y])
     result = split(path, tmp_path, loss="sparse_cce")
@@ -148,7 +141,7 @@ def test_a_sequence_reshape_exports_to_litert_at_batch_1(tmp_path):
 
     m = GraphMaker()
     x = m.tensor((1, T, D))
-    path = m.save(tmp_path / "batch1.circle", [x], [_dense_over_sequence(m, x, [T, D])])
+    path = m.save(tmp_path / "batch1.circle", [x], [_dense_over_sequence(m, x, m.tensor((2,), [T, D], INT))])
     result = split(path, tmp_path, loss="sparse_cce")
     exported = export(result.frozen, output=tmp_path / "out.tflite").path
     xs, _ = data(1)
