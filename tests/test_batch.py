@@ -71,7 +71,8 @@ def test_a_computed_reshape_of_a_dynamic_batch_holds_the_sequence_rows(tmp_path)
 def test_a_batch_1_sequence_reshape_becomes_symbolic(tmp_path):
     m = GraphMaker()
     x = m.tensor((1, T, D))
-    y = _dense_over_sequence(m, x, m.tensor((2,), [T, D], INT))  # the converter's static target at batch 1
+    static = m.tensor((2,), [T, D], INT)  # the converter's target at batch 1
+    y = _dense_over_sequence(m, x, static)
     m.tensors[x].shape = (1, T, D)
     path = m.save(tmp_path / "batch1.circle", [x], [y])
     result = split(path, tmp_path, loss="sparse_cce")
@@ -141,7 +142,8 @@ def test_a_sequence_reshape_exports_to_litert_at_batch_1(tmp_path):
 
     m = GraphMaker()
     x = m.tensor((1, T, D))
-    path = m.save(tmp_path / "batch1.circle", [x], [_dense_over_sequence(m, x, m.tensor((2,), [T, D], INT))])
+    y = _dense_over_sequence(m, x, m.tensor((2,), [T, D], INT))
+    path = m.save(tmp_path / "batch1.circle", [x], [y])
     result = split(path, tmp_path, loss="sparse_cce")
     exported = export(result.frozen, output=tmp_path / "out.tflite").path
     xs, _ = data(1)
