@@ -85,7 +85,7 @@ def _gather_steps_batch_major(model, g: Graph, reshape: Op, readers: dict) -> se
     for op in readers.get(seq, []):
         if _step_index(g, op) is not None:
             reads.append((op, _step_index(g, op)))
-        elif op.type == "REVERSE_V2" and _reverses_first_axis(g, op) and op.outputs[0] not in g.outputs:
+        elif _reverses_first_axis(g, op) and op.outputs[0] not in g.outputs:
             gathers = readers.get(op.outputs[0], [])
             if not gathers or any(_step_index(g, r) is None for r in gathers):
                 return set()
@@ -105,6 +105,8 @@ def _gather_steps_batch_major(model, g: Graph, reshape: Op, readers: dict) -> se
 
 
 def _reverses_first_axis(g: Graph, op: Op) -> bool:
+    if op.type != "REVERSE_V2":
+        return False
     axes = g.tensors[op.inputs[1]].data
     return axes is not None and [int(a) for a in np.atleast_1d(axes)] == [0]
 
