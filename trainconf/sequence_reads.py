@@ -25,7 +25,7 @@ from .writer import set_constant
 
 def read_sequences_batch_major(model) -> int:
     """Rewrite the time-major reads of a batch-1 model's sequences (see above) in
-    place; returns the number of operators rewritten."""
+    place; returns the number of operators it bypassed and removed."""
     g = graph_of(model)
     readers = _readers(g)
     bypassed: set[int] = set()  # operators left unread when their readers are rewritten
