@@ -433,3 +433,18 @@ def test_a_constant_of_the_activations_shape_is_not_a_parameter(tmp_path):
         "MatMul_1", "MatMul", "ReadVariableOp", "MatMul1"]  # U, W, the cell's bias, dense
     assert len(_trained_names(split(FIXTURES / "loops" / "lstm.tflite", tmp_path,
                                     trainable="last:2"))) == 4  # the cell is one layer
+
+
+def test_constants_of_one_samples_shape_are_data_but_for_added_tables(tmp_path):
+    """In a batch-1 model a constant shaped like one sample's activations is data when it
+    scales them (MediaPipe's constant matrix scales) or is all zeros (a loop's initial
+    state); a non-zero table added to them (a position table) trains."""
+    m = GraphMaker()
+    x = m.tensor((1, 4))
+    a = m.op("FULLY_CONNECTED", [x, m.weight(4, 4)], (1, 4))
+    scaled = m.op("MUL", [a, m.tensor((1, 4), RNG.uniform(1, 2, (1, 4)))], (1, 4))
+    placed = m.op("ADD", [scaled, m.tensor((1, 4), RNG.normal(0, 1, (1, 4)))], (1, 4))
+    started = m.op("ADD", [placed, m.tensor((1, 4), np.zeros((1, 4)))], (1, 4))
+    path = m.save(tmp_path / "sample_shaped.circle", [x], [started])
+    trained = {t["name"] for t in split(path, tmp_path, loss="mse").trainable}
+    assert trained == {m.tensors[t].name for t in (1, 5)}  # the kernel, the added table

@@ -59,14 +59,15 @@ class Operand(NamedTuple):
     zeros: bool = False
 
 
-def parameter_operand(inputs: list[Operand | None], output: tuple) -> int | None:
+def parameter_operand(inputs: list[Operand | None], output: tuple, added: bool) -> int | None:
     """The position of the constant operand that is a per-feature parameter of
-    an elementwise op, None when there is none: one operand constant, the other
-    computed; the constant floating point, with more than one value (not a
-    scalar such as a LayerNorm's epsilon), and either broadcast to the output (of
-    a lower rank or a different shape than one sample's output) or, of that
-    shape, not all zeros: a zero constant of one sample's shape is a recurrent
-    layer's initial state (a batch-1 loop's h0 and c0), a position table is not."""
+    an elementwise op (`added`: an ADD or SUB, else a MUL), None when there is
+    none: one operand constant, the other computed; the constant floating point,
+    with more than one value (not a scalar such as a LayerNorm's epsilon), and
+    broadcast to the output (of a lower rank or a different shape than one
+    sample's output).  A constant of one sample's shape is data (a recurrent
+    layer's zero initial state, MediaPipe's constant matrix scales), but for a
+    table added to the activations that is not all zeros (a position table)."""
     if len(inputs) != 2 or None in inputs or [x.constant for x in inputs].count(True) != 1:
         return None
     position = 0 if inputs[0].constant else 1
@@ -74,7 +75,7 @@ def parameter_operand(inputs: list[Operand | None], output: tuple) -> int | None
     if not c.floating or int(np.prod(c.shape)) <= 1 or len(c.shape) > len(output):
         return None
     if len(c.shape) == len(output) and tuple(c.shape) == concrete_shape(tuple(output), 1):
-        return None if c.zeros else position
+        return position if added and not c.zeros else None
     return position
 
 
@@ -115,7 +116,7 @@ class Operator:
         """The position of the input that trains in this use of the op, None
         when none can (absent, computed, or not a parameter)."""
         if self.weight == CONSTANT_OPERAND:
-            return parameter_operand(inputs, output)
+            return parameter_operand(inputs, output, self.name in ("ADD", "SUB"))
         if not self.kernel or self.weight >= len(inputs) or inputs[self.weight] is None \
                 or not inputs[self.weight].constant:
             return None
