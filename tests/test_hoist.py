@@ -1,0 +1,43 @@
+"""An unrolled Keras 3 RNN projects its whole sequence in one FULLY_CONNECTED
+(trainconf/hoist.py) instead of one per step: its outputs still equal LiteRT's, and
+its gradients those of the per-step graph."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import trainconf.split
+from microtrain.trainer import Trainer
+from trainconf.split import split
+
+from test_sequence_reads import litert
+
+LOOPS = Path(__file__).parent / "fixtures" / "loops"
+RNG = np.random.default_rng(7)
+
+
+def _gradients(frozen: Path, x, t) -> dict:
+    return Trainer(frozen, batch_size=len(x), optimizer="sgd").gradients([x], [t])[1]
+
+
+@pytest.mark.parametrize("name, projections", [("lstm", 1), ("gru", 1), ("bilstm", 2)])
+def test_the_steps_input_projections_are_one_product(name, projections, tmp_path, monkeypatch):
+    model = LOOPS / f"{name}.tflite"
+    hoisted = Trainer(split(model, tmp_path / "hoisted", loss="mse").frozen, batch_size=4)
+    g = hoisted.art.forward
+    assert not [op for op in g.ops if op.type == "GATHER"]
+    whole = [op for op in g.ops if op.type == "FULLY_CONNECTED"
+             and len(g.tensors[op.inputs[0]].shape) == 3]
+    assert len(whole) == projections
+    x = RNG.normal(size=(4, 5, 3)).astype(np.float32)
+    want = litert(model, x)
+    assert np.abs(hoisted.predict([x])[0] - want).max() < 1e-5
+
+    monkeypatch.setattr(trainconf.split, "hoist_input_projections", lambda model: 0)
+    per_step = split(model, tmp_path / "per_step", loss="mse").frozen
+    assert [op for op in Trainer(per_step).art.forward.ops if op.type == "GATHER"]
+    t = RNG.normal(size=want.shape).astype(np.float32)
+    grads, reference = _gradients(hoisted.art.frozen_path, x, t), _gradients(per_step, x, t)
+    assert grads.keys() == reference.keys()
+    for tensor, g in grads.items():
+        assert np.abs(g - reference[tensor]).max() <= 1e-5 * max(np.abs(reference[tensor]).max(), 1e-6)
