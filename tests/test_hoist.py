@@ -1,6 +1,6 @@
 """An unrolled Keras 3 RNN projects its whole sequence in one FULLY_CONNECTED
-(trainconf/hoist.py) instead of one per step: its outputs still equal LiteRT's, and
-its gradients those of the per-step graph."""
+(trainconf/hoist.py), which adds the cell's bias too, instead of one per step: its
+outputs still equal LiteRT's, and its gradients those of the per-step graph."""
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +20,11 @@ def _gradients(frozen: Path, x, t) -> dict:
     return Trainer(frozen, batch_size=len(x), optimizer="sgd").gradients([x], [t])[1]
 
 
-@pytest.mark.parametrize("name, projections", [("lstm", 1), ("gru", 1), ("bilstm", 2)])
-def test_the_steps_input_projections_are_one_product(name, projections, tmp_path, monkeypatch):
+# (fixture, projections, whether its cell adds a bias: the gru fixture's has none)
+@pytest.mark.parametrize("name, projections, bias", [("lstm", 1, True), ("gru", 1, False),
+                                                     ("bilstm", 2, True)])
+def test_the_steps_input_projections_are_one_product(name, projections, bias, tmp_path,
+                                                     monkeypatch):
     model = LOOPS / f"{name}.tflite"
     hoisted = Trainer(split(model, tmp_path / "hoisted", loss="mse").frozen, batch_size=4)
     g = hoisted.art.forward
@@ -29,6 +32,7 @@ def test_the_steps_input_projections_are_one_product(name, projections, tmp_path
     whole = [op for op in g.ops if op.type == "FULLY_CONNECTED"
              and len(g.tensors[op.inputs[0]].shape) == 3]
     assert len(whole) == projections
+    assert [op.inputs[2] >= 0 for op in whole] == [bias] * projections  # the cell's bias
     x = RNG.normal(size=(4, 5, 3)).astype(np.float32)
     want = litert(model, x)
     assert np.abs(hoisted.predict([x])[0] - want).max() < 1e-5

@@ -28,10 +28,16 @@ def hoist_input_projections(model) -> int:
     sg = model.subgraphs[0]
     replaced: dict[int, list] = {}  # first gather of a group -> the operators in its place
     dropped: set[int] = set()
+    readers = _readers(g)
     for (x, w, bias), steps in groups.items():
         first = min(gather.index for _, gather, _ in steps)
         b = _Builder(model, g, steps[0][2], written)
         replaced[first] = b.ops
+        if bias < 0 and (sums := _bias_sums(g, readers, steps)):
+            bias = sums[0][1].inputs[1 - sums[0][1].inputs.index(sums[0][0].outputs[0])]
+            for inner, outer in sums:  # the inner sum writes what the bias's sum wrote
+                sg.operators[inner.index].outputs = list(outer.outputs)
+                dropped.add(outer.index)
         _project_whole(b, x, w, bias, steps)
         dropped |= {op.index for _, gather, fc in steps for op in (gather, fc)}
     operators = []
@@ -53,6 +59,32 @@ def _project_whole(b: _Builder, x: int, w: int, bias: int, steps: list) -> None:
     for t, _, step_fc in steps:
         b.op("RESHAPE", [parts[t], shape], b.shape(step_fc.outputs[0]), "",
              output=step_fc.outputs[0])
+
+
+def _bias_sums(g: Graph, readers: dict, steps: list) -> list[tuple[Op, Op]] | None:
+    """Per step, (ADD(projection, r), ADD(that, bias)) when every step adds the same
+    constant bias [U] to the sum of its projection and one other term (a Keras 3
+    LSTM or GRU cell's recurrent product): the projection can add the bias instead,
+    once for all steps, and each step saves an ADD and, in backprop, the sum of its
+    gradient over the batch.  None when a step differs."""
+    def only_reader(t: int) -> Op | None:
+        users = readers.get(t, [])
+        plain = len(users) == 1 and users[0].type == "ADD" and t not in g.outputs and \
+            not users[0].options.get("fused_activation_function", 0)
+        return users[0] if plain else None
+
+    sums, biases = [], set()
+    for _, _, fc in steps:
+        inner = only_reader(fc.outputs[0])
+        outer = inner and only_reader(inner.outputs[0])
+        if outer is None:
+            return None
+        bias = outer.inputs[1 - outer.inputs.index(inner.outputs[0])]
+        if g.tensors[bias].data is None or g.tensors[bias].shape != g.tensors[fc.outputs[0]].shape[-1:]:
+            return None
+        sums.append((inner, outer))
+        biases.add(bias)
+    return sums if len(biases) == 1 else None
 
 
 def _step_projections(g: Graph) -> dict[tuple, list[tuple[int, Op, Op]]]:
