@@ -25,7 +25,7 @@ def timed(steps: list, owners: list, totals: dict, graph: str) -> list:
             totals[key][0] += time.perf_counter() - start
             totals[key][1] += 1
         return run
-    return [wrap(s, (graph, op.type if op is not None else "(rounding)"))
+    return [wrap(s, (graph, op.type if op is not None else "(weight copies, rounding)"))
             for s, (_, op) in zip(steps, owners)]
 
 

@@ -45,3 +45,27 @@ def test_the_steps_input_projections_are_one_product(name, projections, bias, tm
     assert grads.keys() == reference.keys()
     for tensor, g in grads.items():
         assert np.abs(g - reference[tensor]).max() <= 1e-5 * max(np.abs(reference[tensor]).max(), 1e-6)
+
+
+def test_a_weight_read_by_every_step_is_copied_transposed_and_follows_updates(tmp_path,
+                                                                              monkeypatch):
+    """The recurrent kernel, read by each step's FULLY_CONNECTED, is read through a
+    transposed copy (microtrain/executor.py): training with it follows training
+    without it, so the copy is refreshed after every update."""
+    import microtrain.executor
+    frozen = split(LOOPS / "lstm.tflite", tmp_path, loss="mse").frozen
+    x = RNG.normal(size=(8, 5, 3)).astype(np.float32)
+    t = RNG.normal(size=(8, 3)).astype(np.float32)
+
+    def fit() -> list[float]:
+        trainer = Trainer(frozen, batch_size=4, optimizer="adam", learning_rate=0.05)
+        return [r["loss"] for r in trainer.fit([x], [t], epochs=4, shuffle=False)]
+
+    trainer = Trainer(frozen, batch_size=4)
+    trainer.predict([x])
+    assert any(s.func is np.copyto for s in trainer._plans[4].forward[:1])
+    copied = fit()
+    monkeypatch.setattr(microtrain.executor, "_transposed_weights", lambda g, arrays: (arrays, []))
+    plain = fit()
+    assert copied[-1] < 0.95 * copied[0]  # the weights moved (a stale copy drifts by ~1e-2)
+    np.testing.assert_allclose(copied, plain, rtol=1e-6)
