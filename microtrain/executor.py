@@ -9,7 +9,9 @@ kernels of both lists take their temporaries from one workspace
 """
 import math
 import operator
+from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -486,7 +488,9 @@ def _compile(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
                              for i in range(0, mem.working.size, WEIGHT_CHUNK)]
     fwd = _views(art.forward, mem.forward, rows)
     inputs = [fwd[i] for i in art.forward.inputs]
-    steps, owners = hooks.closures(art.forward, fwd, art.forward.ops)
+    read, transposes = _transposed_weights(art.forward, fwd)
+    steps, owners = hooks.closures(art.forward, read, art.forward.ops)
+    steps, owners = transposes + steps, [(art.frozen_path, None)] * len(transposes) + owners
     plan = Plan(inputs, [fwd[i] for i in art.forward.outputs], [], None, steps, [], [])
     plan.owners = {"forward": owners, "backward": [], "loss_ops": []}
     if art.backprop is not None:
@@ -500,6 +504,24 @@ def _compile(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
         plan.loss_ops, plan.owners["loss_ops"] = hooks.closures(art.backprop, bp, loss_ops,
                                                                 scaling=False)
     return plan
+
+
+def _transposed_weights(g: Graph, arrays: list) -> tuple[list, list]:
+    """The arrays the forward closures read, and the steps that must run first: a
+    float32 weight read by several FULLY_CONNECTED (an unrolled RNN's recurrent
+    kernel, once a step) is read through a transposed copy, refreshed at the start
+    of every forward pass (so whatever changed the weights, it is current).  Its
+    kernel's x @ W.T then multiplies by a C-contiguous matrix: OpenBLAS is ~2x
+    faster so on a few rows ([32, 64] @ [64, 256]: 19 -> 10 µs).  A weight read
+    once is left alone, its results bit for bit as before."""
+    readers = Counter(op.inputs[1] for op in g.ops if op.type == "FULLY_CONNECTED")
+    read, steps = list(arrays), []
+    for w, n in readers.items():
+        if n > 1 and arrays[w].dtype == F32 and arrays[w].ndim == 2:
+            copy = np.empty(arrays[w].shape[::-1], F32)
+            steps.append(partial(np.copyto, copy, arrays[w].T))
+            read[w] = copy.T
+    return read, steps
 
 
 def _guarded(owner, make):

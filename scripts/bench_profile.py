@@ -25,7 +25,7 @@ def timed(steps: list, owners: list, totals: dict, graph: str) -> list:
             totals[key][0] += time.perf_counter() - start
             totals[key][1] += 1
         return run
-    return [wrap(s, (graph, op.type if op is not None else "(rounding)"))
+    return [wrap(s, (graph, op.type if op is not None else "(weight copies, rounding)"))
             for s, (_, op) in zip(steps, owners)]
 
 
@@ -44,16 +44,18 @@ def plain_ms(step, steps: int) -> float:
 @click.argument("y")
 @click.option("--batch", default=32, show_default=True)
 @click.option("--steps", default=8, show_default=True)
+@click.option("--optimizer", default="adam", show_default=True,
+              help="The optimizer of the step (the bench's sequence rows use adam).")
 @click.option("--top", default=15, show_default=True, help="Operator types shown per graph.")
-def main(frozen, x, y, batch, steps, top):
+def main(frozen, x, y, batch, steps, optimizer, top):
     from microtrain.session import load_data
-    from microtrain.trainer import Trainer
-    trainer = Trainer(frozen, batch_size=batch)
+    from microtrain.trainer import Totals, Trainer
+    trainer = Trainer(frozen, batch_size=batch, optimizer=optimizer)
     inputs, targets = trainer.data_types()
     xs, ts = trainer.check_data(load_data([x], dtypes=inputs), load_data([y], dtypes=targets))
     idx = np.arange(batch)
-    trainer.train_batch(xs, ts, idx)  # warm-up, and builds the plans
-    click.echo(f"{plain_ms(lambda: trainer.train_batch(xs, ts, idx), steps):.2f} ms/step "
+    trainer.train_batch(xs, ts, idx, Totals())  # warm-up, and builds the plans
+    click.echo(f"{plain_ms(lambda: trainer.train_batch(xs, ts, idx, Totals()), steps):.2f} ms/step "
                f"uninstrumented (best of {steps})")
     totals = defaultdict(lambda: [0.0, 0])
     for plan in trainer._plans.values():
@@ -61,7 +63,7 @@ def main(frozen, x, y, batch, steps, top):
         plan.backward = timed(plan.backward, plan.owners["backward"], totals, "backprop")
     start = time.perf_counter()
     for _ in range(steps):
-        trainer.train_batch(xs, ts, idx)
+        trainer.train_batch(xs, ts, idx, Totals())
     wall = 1000 * (time.perf_counter() - start) / steps
     kernels = sum(t for t, _ in totals.values()) * 1000 / steps
     click.echo(f"{wall:.2f} ms/step instrumented: kernels {kernels:.2f}, step overhead {wall - kernels:.2f} "

@@ -39,11 +39,15 @@ def test_an_id_outside_the_table_is_refused_not_wrapped():
         run("GATHER", [np.zeros((7, 3), np.float32), np.array([1, 9], np.int32)], [(2, 3)])
 
 
-@pytest.mark.parametrize("vocab, shape", [(5, (3, 8)), (10000, (32, 64))])
-def test_table_gradient_sums_repeated_ids_as_torch(vocab, shape):
-    """Many repeats (5 rows, 24 ids) and the size the issue names (10k x 64, 32x64 ids)."""
+@pytest.mark.parametrize("vocab, shape, padding", [(5, (3, 8), False), (10000, (32, 64), True),
+                                                   (2000, (32, 32), False)])
+def test_table_gradient_sums_repeated_ids_as_torch(vocab, shape, padding):
+    """Many repeats (5 rows, 24 ids), the size the issue names (10k x 64, 32x64 ids) with a
+    padding id, and the bench's ids (2000 rows, 32x32 ids: a few repeats each, summed in
+    layers rather than by reduceat)."""
     index = ids(vocab, shape)
-    index.reshape(-1)[:50] = 3  # a padding id, repeated many times
+    if padding:
+        index.reshape(-1)[:50] = 3  # a padding id, repeated many times
     dy = rng.normal(size=shape + (64,))
     (dx,) = run("GatherGrad", [dy, index], [(vocab, 64)], axis=0)
     table = torch.zeros((vocab, 64), dtype=torch.float64, requires_grad=True)

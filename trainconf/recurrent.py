@@ -20,6 +20,8 @@ fused operator, and an exported model is the unrolled graph.
   operator's output tensor's name (NAME/fw/..., NAME/bw/... for the two directions).
 - The state inputs (variable tensors) are the zero state of every sample, Keras's stateless
   default: step 0 reads no state, so no operator reads them.
+- A STRIDED_SLICE of one step of the joined output (a classifier's last step) reads that
+  step instead (read_steps_directly).
 """
 from dataclasses import dataclass
 
@@ -27,7 +29,7 @@ import numpy as np
 
 from microtrain.errors import UserError
 from microtrain.format import circle_generated as circle
-from microtrain.format.model import enum_names
+from microtrain.format.model import enum_names, int_list
 from microtrain.graph import Graph, Op, Tensor, graph_of
 
 from .constants import _drop_unread
@@ -61,7 +63,49 @@ def lower_recurrent(model) -> int:
         operators.extend(b.ops)
     sg.operators = operators
     _drop_unread(model, {t for op in fused for t in op.inputs if t >= 0})
+    read_steps_directly(model)
     return len(fused)
+
+
+def read_steps_directly(model) -> int:
+    """A STRIDED_SLICE that takes one whole step out of a CONCATENATION of steps (a
+    lowered layer's output sequence, of which a classifier keeps the last step) becomes
+    a RESHAPE of that step: no copy of the sequence forward, and in backprop no
+    gradient of zeros sliced back into every step.  Returns how many were rewritten."""
+    g = graph_of(model)
+    producers, sg = g.producers(), model.subgraphs[0]
+    picked, sources = {}, set()  # STRIDED_SLICE index -> the RESHAPE that replaces it
+    for op in g.ops:
+        source = producers.get(op.inputs[0]) if op.type == "STRIDED_SLICE" else None
+        step = _picked_step(g, op, source) if source and source.type == "CONCATENATION" else None
+        if step is not None:
+            b = _Builder(model, g, op, set())
+            b.op("RESHAPE", [step, b.ints([-1, *g.tensors[op.outputs[0]].shape[1:]], "shape")],
+                 g.tensors[op.outputs[0]].shape, "", output=op.outputs[0])
+            picked[op.index] = b.ops[0]
+            sources.add(source.index)
+    sg.operators = [picked.get(k, op) for k, op in enumerate(sg.operators)]
+    read = {t for op in sg.operators for t in int_list(op.inputs)} | set(int_list(sg.outputs))
+    sg.operators = [op for k, op in enumerate(sg.operators)
+                    if k not in sources or any(t in read for t in int_list(op.outputs))]
+    return len(picked)
+
+
+def _picked_step(g: Graph, op: Op, concat: Op) -> int | None:
+    """The input of `concat` (along its axis, each of size 1 there) that the
+    STRIDED_SLICE `op` takes whole, shrinking that axis away; None otherwise."""
+    x = g.tensors[op.inputs[0]].shape
+    axis = concat.options.get("axis", 0) % len(x)
+    begin, end, strides = (g.tensors[t].data for t in op.inputs[1:4])
+    o = op.options
+    if any(v is None for v in (begin, end, strides)) or o.get("ellipsis_mask", 0) or \
+            o.get("new_axis_mask", 0) or o.get("shrink_axis_mask", 0) != 1 << axis or \
+            any(g.tensors[t].shape[axis] != 1 for t in concat.inputs) or axis == 0:
+        return None
+    whole = all(s == 1 and (b == 0 or o.get("begin_mask", 0) >> k & 1)
+                and (o.get("end_mask", 0) >> k & 1 or e >= d)
+                for k, (b, e, s, d) in enumerate(zip(begin, end, strides, x)) if k != axis)
+    return concat.inputs[int(begin[axis]) % x[axis]] if whole and strides[axis] == 1 else None
 
 
 class _Builder:

@@ -92,10 +92,11 @@ def _bias_hosts(g: Graph, op: Op, position: int, units: dict, readers: dict) -> 
     return hosts
 
 
-def layers(units: list[Weighted]) -> list[list[Weighted]]:
+def layers(g: Graph, units: list[Weighted]) -> list[list[Weighted]]:
     """Weighted ops grouped into the layers `last:N` counts, in the order of each
     layer's first op: ops sharing a weight or bias are one layer (the steps of an
-    unrolled loop; an LSTM cell's kernels, which share their bias)."""
+    unrolled loop; an LSTM cell's kernels, which share their bias), and so are an
+    RNN cell's input and recurrent kernels (see _cell_sums)."""
     parent: dict[int, int] = {}  # union-find over the weight tensors
 
     def root(t: int) -> int:
@@ -106,10 +107,45 @@ def layers(units: list[Weighted]) -> list[list[Weighted]]:
     for unit in units:
         if unit.bias is not None:
             parent[root(unit.bias)] = root(unit.kernel)
+    for a, b in _cell_sums(g, units):
+        parent[root(a)] = root(b)
     groups: dict[int, list[Weighted]] = {}
     for unit in units:  # in execution order: each layer in the order of its first op
         groups.setdefault(root(unit.kernel), []).append(unit)
     return list(groups.values())
+
+
+def _cell_sums(g: Graph, units: list[Weighted]) -> list[tuple[int, int]]:
+    """The kernels of the products x·W and h·U one ADD sums, the input's a step SPLIT
+    out of its projection of the whole sequence (an unrolled RNN's cell, its input
+    projected for all steps at once: trainconf/hoist.py, trainconf/recurrent.py),
+    each product reaching the ADD alone, through RESHAPEs."""
+    products = {u.op.outputs[0]: u.kernel for u in units if spec(u.op.type).kernel}
+    producers = g.producers()
+    readers: dict[int, int] = {}
+    for op in g.ops:
+        for t in op.inputs:
+            readers[t] = readers.get(t, 0) + 1
+
+    def product(t: int) -> tuple[int | None, bool]:
+        """The kernel whose product t is, and whether a SPLIT was on the way."""
+        split = False
+        while readers.get(t, 0) == 1 and t not in products:
+            source = producers.get(t)
+            if source is None or source.type not in ("RESHAPE", "SPLIT"):
+                return None, split
+            split |= source.type == "SPLIT"
+            t = source.inputs[1 if source.type == "SPLIT" else 0]
+        return (products[t], split) if readers.get(t, 0) == 1 and t in products else (None, split)
+
+    pairs = []
+    for op in g.ops:
+        if op.type != "ADD" or any(t < 0 or g.tensors[t].data is not None for t in op.inputs):
+            continue
+        (a, a_split), (b, b_split) = (product(t) for t in op.inputs)
+        if a is not None and b is not None and a != b and a_split != b_split:
+            pairs.append((a, b))
+    return pairs
 
 
 def _weights_of(unit: Weighted, freeze_bias: bool) -> list[int]:
@@ -150,7 +186,7 @@ def select_trainable(g: Graph, spec: str | set[int], freeze_bias: bool = False) 
             n = int(spec[5:])
         except ValueError:
             n = 0
-        groups = layers(units)
+        groups = layers(g, units)
         if not 1 <= n <= len(groups):
             raise UserError(None, f"--trainable {spec}: N must be between 1 and {len(groups)}")
         chosen = [t for layer in groups[-n:] for unit in layer

@@ -26,6 +26,7 @@ from .constants import resolve_constants, untie_weights
 from .batch import FixedBatch, infer_batch
 from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .operators import FOLDS, ROW_GRADS
+from .hoist import hoist_input_projections
 from .recurrent import lower_recurrent
 from .select import id_inputs, select_trainable
 from .sequence_reads import read_sequences_batch_major
@@ -290,6 +291,7 @@ def load_prepared(model_path: Path, types: dict):
     unroll_loops(model)  # after untying: one loop's steps share its weights
     lower_recurrent(model)  # likewise the steps of a fused recurrent layer
     read_sequences_batch_major(model)  # a batch-1 Keras RNN's steps, so it trains batched
+    hoist_input_projections(model)  # then its steps' input projections are one product
     g, batch = make_batch_symbolic(model, graph_of(model))
     check_dataflow(g, model_path, set())
     set_activation_dtype(model, g, dtype_of(types.activations))

@@ -133,16 +133,21 @@ for _name, _code in (("RELU", 1), ("RELU_N1_TO_1", 2), ("RELU6", 3), ("TANH", TA
 
 @kernel("LOGISTIC")
 def logistic(inputs, outputs, **_):
-    """y = 1 / (1 + exp(-x)), computed as exp(-softplus(-x)): no overflow, and
-    accurate in both tails."""
+    """y = 1 / (1 + exp(-x)), computed from e = exp(-|x|), which cannot overflow,
+    as 1 / (1 + e) for x >= 0 and e / (1 + e) for x < 0: accurate in both tails.
+    The numerator is max(e, sign(x)) (e <= 1), so no branch and no mask: ~6x
+    faster than through np.logaddexp (scalar libm calls) on an LSTM gate's [32, 64]."""
     (x,), (y,) = inputs, outputs
-    zero = constant(y, 0)  # a full array: ~25% faster on an LSTM gate's [1, 64]
+    e, one = scratch(y.shape, y.dtype), constant(y, 1)
 
     def step():
-        np.negative(x, out=y)
-        np.logaddexp(zero, y, out=y)
-        np.negative(y, out=y)
-        np.exp(y, out=y)
+        np.abs(x, out=e)
+        np.negative(e, out=e)
+        np.exp(e, out=e)
+        np.sign(x, out=y)
+        np.maximum(e, y, out=y)
+        np.add(e, one, out=e)
+        np.divide(y, e, out=y)
     return step
 
 
