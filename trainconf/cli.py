@@ -15,6 +15,7 @@ from .export import WEIGHT_TYPES, export
 from .importer import import_tflite
 from .inspect import describe, planned_memory, render_text
 from .memory import peak_text
+from .lora import LoraSpec
 from .split import DEFAULT_REDUCTION, DEFAULT_TRAINABLE, PRECISIONS, split
 
 MODEL = click.Path(dir_okay=False, path_type=Path)
@@ -128,16 +129,30 @@ def parameters_text(report: dict) -> str:
               help="Choose what trains so that the planned peak memory fits SIZE (bytes, or "
                    "e.g. 64KiB, 1.5MB): the weighted ops nearest the output first, the lowest "
                    "one possibly only its bias or some output channels. Replaces --trainable.")
+@click.option("--lora", "lora_rank", type=click.IntRange(1), metavar="RANK",
+              help="Train low-rank adapters of rank RANK beside the frozen weights of the "
+                   "--lora-targets operators (LoRA): W stays in the frozen model, the .wof holds "
+                   "only the adapters and what --trainable names  [default: no adapters; with "
+                   "--lora, --trainable defaults to nothing more]")
+@click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), metavar="A",
+              help="Adapters add (A/RANK)·B·A(x)  [default: RANK, a scale of 1]")
+@click.option("--lora-targets", default="all", show_default=True, metavar="SPEC",
+              help="The FULLY_CONNECTED, BATCH_MATMUL (constant weight), CONV_2D, GATHER and "
+                   "EMBEDDING_LOOKUP operators that get adapters, chosen as --trainable chooses")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the adapters' initial A (Kaiming-uniform; B starts at zero)")
 @estimate_options(f"MODEL's circle+ {CIRCLE_PLUS}",
                   ["optimizer", "hyperparameters", "batch_size", "epochs"],
                   " (recorded for microtrain run; also the memory estimate's)")
 @FORCE_OPTION
 @JSON_OPTION
-def split_command(model: Path, outdir: Path | None, as_json: bool, **options):
+def split_command(model: Path, outdir: Path | None, as_json: bool, lora_rank: int | None,
+                  lora_alpha: float | None, lora_targets: str, seed: int, **options):
     """Write STEM.frozen.circle (the forward graph, trainable weights cut out),
     STEM.wof (those weights) and STEM.backprop.circle (the gradient graph) for
     MODEL (.circle or .tflite)."""
-    summary = split(model, outdir, **options).summary()
+    lora = None if lora_rank is None else LoraSpec(lora_rank, lora_alpha, lora_targets, seed)
+    summary = split(model, outdir, lora=lora, **options).summary()
     if as_json:
         print_json(summary)
         return
