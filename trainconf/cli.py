@@ -11,7 +11,7 @@ from microtrain.format.model import load_model
 
 from .backprop import LOSSES, REDUCTIONS
 from .circle_plus import METADATA as CIRCLE_PLUS
-from .export import WEIGHT_TYPES, export
+from .export import LORA_EXPORTS, WEIGHT_TYPES, export
 from .importer import import_tflite
 from .inspect import describe, planned_memory, render_text
 from .memory import peak_text
@@ -179,6 +179,10 @@ def split_command(model: Path, outdir: Path | None, as_json: bool, lora_rank: in
               help="fp16: every float32 constant stored as float16 and read through a "
                    "DEQUANTIZE operator, as MediaPipe ships its models (half the bytes; "
                    "LiteRT runs it, onert 0.1.0 does not).")
+@click.option("--lora", type=click.Choice(LORA_EXPORTS), default="merge", show_default=True,
+              help="A model split with --lora: merge folds (alpha/r)·B·A into each adapted "
+                   "weight and writes the original operators; keep writes the adapters as "
+                   "operators of their own.")
 @click.option("--traininfo", is_flag=True,
               help=f"Write the training setup (optimizer and its arguments, loss, reduction, "
                    f"batch size, epochs, trainable operators) as circle+ {CIRCLE_PLUS} "

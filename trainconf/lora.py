@@ -140,9 +140,12 @@ def _adapt(edit: _Editor, op: Op, original, lora: LoraSpec, rng) -> Adapter:
     low = out_shape[:-1] + (r,)
     if op.type == "CONV_2D":
         keep = ("padding", "stride_w", "stride_h", "dilation_w_factor", "dilation_h_factor")
-        z = edit.new("CONV_2D", [op.inputs[0], a, -1], f"{name}/lora_Ax", low, FLOAT32,
+        # zero biases: onert loads no CONV_2D without one (--lora keep)
+        zeros = [edit.const(f"{name}/lora_{k}_bias", np.zeros(n, FLOAT32))
+                 for k, n in (("A", r), ("B", b_shape[0]))]
+        z = edit.new("CONV_2D", [op.inputs[0], a, zeros[0]], f"{name}/lora_Ax", low, FLOAT32,
                      **{k: op.options[k] for k in keep if k in op.options})
-        u = edit.new("CONV_2D", [z, b, -1], f"{name}/lora_BAx", out_shape, FLOAT32,
+        u = edit.new("CONV_2D", [z, b, zeros[1]], f"{name}/lora_BAx", out_shape, FLOAT32,
                      padding=1, stride_w=1, stride_h=1)  # 1x1, VALID
     else:
         if op.type == "GATHER":
@@ -169,7 +172,8 @@ def adapters_of(model) -> Adapters | None:
 
 def merge(model, weights: dict[int, np.ndarray]) -> set[int]:
     """Fold each adapter into its weight, W += (alpha/r)·B·A, and give the
-    operators back their original structure; returns the merged weights."""
+    operators back their original structure; returns the tensors that trained:
+    `weights`' with the merged weights in place of the adapters."""
     meta = adapters_of(model)
     scale = meta.alpha / meta.rank
     sg = model.subgraphs[0]
@@ -188,7 +192,8 @@ def merge(model, weights: dict[int, np.ndarray]) -> set[int]:
             sg.operators[host.index].builtinOptions.fusedActivationFunction = activation
         dropped |= _adapter_ops(g, producers, ad)
     sg.operators = [o for i, o in enumerate(sg.operators) if i not in dropped]
-    return {ad.weight for ad in meta.adapters}
+    adapters = {t for ad in meta.adapters for t in (ad.a, ad.b)}
+    return set(weights) - adapters | {ad.weight for ad in meta.adapters}
 
 
 def _product(ad: Adapter, host: Op, a: np.ndarray, b: np.ndarray) -> np.ndarray:
