@@ -7,7 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
+from microtrain.cli import main as microtrain
 from microtrain.format.model import load_model
 from microtrain.format.wof import write_wof
 from microtrain.graph import graph_of
@@ -58,8 +60,8 @@ def _case(name, tmp_path):
 CASES = ["mlp", "cnn", "transformer", "matmuls"]
 
 
-def _split(model, out, **kw):
-    return split(model, out, lora=LoraSpec(kw.pop("rank", 4), kw.pop("alpha", 8.0)), **kw)
+def _split(model, out, rank=4, alpha=8.0, lora_targets="all", **kw):
+    return split(model, out, lora=LoraSpec(rank, alpha, lora_targets), **kw)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -178,3 +180,38 @@ def test_merged_and_kept_exports_run_like_infer(name, tmp_path):
             outputs = [run_onert(path, x)] + ([run_litert(path, x)] if suffix == ".tflite" else [])
             for got in outputs:
                 assert np.abs(got - expected).max() <= 1e-5, (mode, suffix)
+
+
+def test_adapter_files_serve_one_frozen_model_and_a_wrong_one_is_refused(tmp_path):
+    """alice.wof and bob.wof train from one frozen model; adapters of another rank,
+    other targets or another model are refused in one line naming the file."""
+    model, x, t = _case("mlp", tmp_path)
+    frozen = _split(model, tmp_path / "r4", rank=4).frozen
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "t.npy", t)
+    runner = CliRunner()
+    outputs = []
+    for user, seed in (("alice", 1), ("bob", 2)):
+        wof = tmp_path / f"{user}.wof"
+        wof.write_bytes(frozen.with_name("mlp.wof").read_bytes())
+        run = runner.invoke(microtrain, ["run", str(frozen), "--wof", str(wof), "--seed", str(seed),
+                                         "--input", str(tmp_path / "x.npy"), "--target",
+                                         str(tmp_path / "t.npy"), "--epochs", "2",
+                                         "--batch-size", "4", "--save", "always"])
+        assert run.exit_code == 0, run.output
+        out = tmp_path / f"{user}.npy"
+        infer = runner.invoke(microtrain, ["infer", str(frozen), "--wof", str(wof), "--input",
+                                           str(tmp_path / "x.npy"), "-o", str(out)])
+        assert infer.exit_code == 0, infer.output
+        outputs.append(np.load(out))
+    assert not np.array_equal(*outputs)
+    others = {"rank 8": _split(model, tmp_path / "r8", rank=8).wof,
+              "tensors": _split(model, tmp_path / "last", rank=4,
+                                lora_targets="last:1").wof,
+              "tensors ": split(FIXTURES / "cnn.tflite", tmp_path / "cnn").wof}
+    for what, wof in others.items():
+        result = runner.invoke(microtrain, ["infer", str(frozen), "--wof", str(wof), "--input",
+                                            str(tmp_path / "x.npy"), "-o", str(tmp_path / "o.npy")])
+        lines = result.output.strip().splitlines()
+        assert result.exit_code != 0 and len(lines) == 1, result.output
+        assert lines[0].startswith(f"Error: {wof}: ") and what.strip() in lines[0], lines[0]
