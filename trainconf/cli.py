@@ -138,7 +138,8 @@ def parameters_text(report: dict) -> str:
               help="Adapters add (A/RANK)·B·A(x)  [default: RANK, a scale of 1]")
 @click.option("--lora-targets", default="all", show_default=True, metavar="SPEC",
               help="The FULLY_CONNECTED, BATCH_MATMUL (constant weight), CONV_2D, GATHER and "
-                   "EMBEDDING_LOOKUP operators that get adapters, chosen as --trainable chooses")
+                   "EMBEDDING_LOOKUP operators that get adapters: chosen as --trainable chooses, "
+                   "or by operator type (e.g. FULLY_CONNECTED,CONV_2D)")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed of the adapters' initial A (Kaiming-uniform; B starts at zero)")
 @estimate_options(f"MODEL's circle+ {CIRCLE_PLUS}",

@@ -62,14 +62,16 @@ def _constant_weight(g: Graph, op: Op) -> int | None:
 
 
 def adaptable(g: Graph, spec: str) -> list[Op]:
-    """The operators `spec` (all, last:N or names, as --trainable) selects that
-    can take an adapter, in execution order."""
+    """The operators `spec` selects that can take an adapter, in execution order:
+    all, last:N or names as --trainable chooses, and operator types (e.g.
+    FULLY_CONNECTED,CONV_2D: every such operator)."""
     weights = {_constant_weight(g, op): op for op in g.ops if op.type in ADAPTED}
     weights.pop(None, None)
-    if spec == "all":
-        chosen = list(weights)
-    else:
-        chosen = [t for t in select_trainable(g, spec, freeze_bias=True) if t in weights]
+    items = [s.strip() for s in spec.split(",") if s.strip()]
+    chosen = [t for t, op in weights.items() if spec == "all" or op.type in items]
+    rest = ",".join(s for s in items if s not in ADAPTED)
+    if rest and spec != "all":
+        chosen += [t for t in select_trainable(g, rest, freeze_bias=True) if t in weights]
     ops = sorted({weights[t].index: weights[t] for t in chosen}.values(), key=lambda op: op.index)
     if not ops:
         raise UserError(None, f"--lora-targets {spec!r}: no {', '.join(ADAPTED)} operator with a "
