@@ -11,9 +11,9 @@ frozen).  Reported: the .wof bytes, the planned peak memory of a training step
     python scripts/lora_table.py --out /tmp/lora_table \
         --tf-python /opt/venvs/tf/bin/python
 
-The token task: ten classes, each with its own 8 keyword ids; a sample is 16 ids
-drawn uniformly from a vocabulary of VOCAB, 3 of them replaced by keywords of
-its class at random positions.  The vocabulary is that of a small BERT
+The token task: a sample is 16 ids drawn uniformly from a vocabulary of VOCAB,
+some replaced by keywords at random positions (token_data): classes 0-4 by 3
+keywords of their own set of 8, the new classes 5-9 by pairs of those sets.  The vocabulary is that of a small BERT
 (BERT-tiny: 30522 ids, width 128), of which the task uses a few.
 """
 import argparse
@@ -31,21 +31,30 @@ CLASSES, PRETRAIN_CLASSES = 10, 5
 VOCAB, SEQ, WIDTH, KEYWORDS = 30522, 16, 128, 8
 BATCH = 32
 # model: (Keras pretraining epochs, microtrain fine-tuning epochs)
-EPOCHS = {"dense": (40, 20), "cnn": (30, 20), "transformer": (4, 3)}
-RANKS = {"dense": (4, 8), "cnn": (4, 8), "transformer": (8,)}
-# the transformer's adapters: its dense layers, not the embedding table
-TARGETS = {"dense": "all", "cnn": "all", "transformer": "FULLY_CONNECTED"}
+EPOCHS = {"dense": (40, 20), "cnn": (30, 20), "transformer": (4, 3),
+          "transformer, new words": (4, 3)}
+# model: the adapters tried, (rank, --lora-targets); the transformer's dense layers
+# (not its embedding table, whose adapter alone would hold VOCAB x rank values)
+RUNS = {"dense": [(4, "all"), (8, "all")], "cnn": [(4, "all"), (8, "all")],
+        "transformer": [(8, "FULLY_CONNECTED")],
+        "transformer, new words": [(8, "FULLY_CONNECTED"), (8, "all")]}
 LEARNING_RATES = {"full": 1e-3, "lora": 5e-3}
 
 
-def token_data(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def token_data(n: int, rng: np.random.Generator, new_words: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Classes 0-4: 3 keywords of the class's own set of 8 among random ids.  The
+    new classes 5+k: 2 keywords of set k and 2 of set k+1 (mod 5), so that they
+    reuse what the pretrained classes taught, as new digits reuse strokes; with
+    `new_words`, 3 keywords of a set of their own, ids the pretraining never
+    taught."""
     keywords = np.random.default_rng(99).choice(np.arange(1, VOCAB), (CLASSES, KEYWORDS),
                                                 replace=False)
     y = rng.integers(0, CLASSES, n)
     x = rng.integers(1, VOCAB, (n, SEQ))
-    for i in range(n):
-        positions = rng.choice(SEQ, 3, replace=False)
-        x[i, positions] = rng.choice(keywords[y[i]], 3)
+    for i, c in enumerate(y):
+        sets = [c] * 3 if c < PRETRAIN_CLASSES or new_words else \
+            [c - 5, c - 5, (c - 4) % 5, (c - 4) % 5]
+        x[i, rng.choice(SEQ, len(sets), replace=False)] = [rng.choice(keywords[k]) for k in sets]
     return x.astype(np.int32), y.astype(np.int32)
 
 
@@ -59,8 +68,13 @@ def datasets() -> dict:
     for name, f in (("dense", "digits_x"), ("cnn", "digits_images")):
         x = np.load(FIXTURES / f"{f}.npy")
         out[name] = x[train], y[train], x[test], y[test]
-    out["transformer"] = token_data(4000, rng) + token_data(1000, rng)
+    for name, new_words in (("transformer", False), ("transformer, new words", True)):
+        out[name] = token_data(4000, rng, new_words) + token_data(1000, rng, new_words)
     return out
+
+
+def slug(name: str) -> str:
+    return name.replace(", ", "_").replace(" ", "_")
 
 
 # ------------------------------------------------------------- pretraining (TensorFlow worker)
@@ -96,6 +110,7 @@ def pretrain(out: Path) -> None:
                              L.MaxPooling2D(), L.Conv2D(64, 3, activation="relu"),
                              L.Flatten(), L.Dense(CLASSES, activation="softmax")),
         "transformer": encoder,
+        "transformer, new words": encoder,
     }
     out.mkdir(parents=True, exist_ok=True)
     for name, (x, y, _, _) in datasets().items():
@@ -106,17 +121,19 @@ def pretrain(out: Path) -> None:
         model.fit(x[seen], y[seen], batch_size=BATCH, epochs=EPOCHS[name][0], verbose=0)
         signature = [tf.TensorSpec((None,) + x.shape[1:], model.input.dtype)]
         convert_saved_model(tf, lambda d: model.export(d, input_signature=signature,
-                                                       verbose=False), out / f"{name}.tflite")
+                                                       verbose=False), out / f"{slug(name)}.tflite")
 
 
 # ------------------------------------------------------------- fine-tuning (microtrain)
 
-def finetune(model: Path, out: Path, data, epochs: int, rank: int | None, targets: str) -> dict:
+def finetune(model: Path, out: Path, data, epochs: int, rank: int | None, targets: str,
+             trainable: str | None = None) -> dict:
     from microtrain.trainer import Trainer
     from trainconf.lora import LoraSpec
     from trainconf.split import split
     lora = None if rank is None else LoraSpec(rank, 2.0 * rank, targets, SEED)
-    result = split(model, out, lora=lora, batch_size=BATCH, optimizer="adam", force=True)
+    result = split(model, out, trainable, lora=lora, batch_size=BATCH, optimizer="adam",
+                   force=True)
     x, y, x_test, y_test = data
     onehot = np.eye(CLASSES, dtype=np.float32)
     lr = LEARNING_RATES["full" if rank is None else "lora"]
@@ -148,22 +165,24 @@ def main() -> None:
     parser.add_argument("--tf-python", default=sys.executable,
                         help="interpreter with TensorFlow and Keras 3, for the pretraining")
     parser.add_argument("--pretrain", action="store_true", help=argparse.SUPPRESS)  # the worker
-    parser.add_argument("--models", default=",".join(EPOCHS))
+    parser.add_argument("--models", default=";".join(EPOCHS), help="a ;-list of models")
     args = parser.parse_args()
     if args.pretrain:
         pretrain(args.out)
         return
-    if not all((args.out / f"{m}.tflite").exists() for m in args.models.split(",")):
+    if not all((args.out / f"{slug(m)}.tflite").exists() for m in args.models.split(";")):
         subprocess.run([args.tf_python, __file__, "--pretrain", "--out", str(args.out)], check=True)
     sys.path.insert(0, str(ROOT))
     data = datasets()
     results = {}
-    for name in args.models.split(","):
-        model, epochs = args.out / f"{name}.tflite", EPOCHS[name][1]
-        runs = {"full": finetune(model, args.out / name / "full", data[name], epochs, None, "")}
-        for rank in RANKS[name]:
-            runs[f"LoRA r={rank}"] = finetune(model, args.out / name / f"r{rank}", data[name],
-                                              epochs, rank, TARGETS[name])
+    for name in args.models.split(";"):
+        model, epochs = args.out / f"{slug(name)}.tflite", EPOCHS[name][1]
+        runs = {"full": finetune(model, args.out / slug(name) / "full", data[name], epochs, None,
+                                 "")}
+        for rank, targets in RUNS[name]:
+            label = f"LoRA r={rank}" + ("" if targets == "all" else f" ({targets})")
+            runs[label] = finetune(model, args.out / slug(name) / f"r{rank}-{targets}",
+                                   data[name], epochs, rank, targets)
         results[name] = runs
         print(json.dumps({name: runs}), flush=True)
     print(table(results))
