@@ -38,7 +38,7 @@ EPOCHS = {"dense": (40, 20), "cnn": (30, 20), "transformer": (4, 3),
 RUNS = {"dense": [(4, "all"), (8, "all")], "cnn": [(4, "all"), (8, "all")],
         "transformer": [(8, "FULLY_CONNECTED")],
         "transformer, new words": [(8, "FULLY_CONNECTED"), (8, "all")]}
-LEARNING_RATES = {"full": 1e-3, "lora": 5e-3}
+LEARNING_RATES = {"full": 1e-3, "lora": 2e-3}
 
 
 def token_data(n: int, rng: np.random.Generator, new_words: bool) -> tuple[np.ndarray, np.ndarray]:

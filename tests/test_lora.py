@@ -18,6 +18,7 @@ from model_patch import FIXTURES
 from test_export import run_litert, run_onert
 from test_split_gradients import GraphMaker, relative_error
 from torch_reference import keras_loss, run_op
+from trainconf.cli import main as trainconf
 from trainconf.export import export
 from trainconf.lora import LoraSpec, adapters_of
 from trainconf.split import load_prepared, resolve_precision, split
@@ -215,3 +216,20 @@ def test_adapter_files_serve_one_frozen_model_and_a_wrong_one_is_refused(tmp_pat
         lines = result.output.strip().splitlines()
         assert result.exit_code != 0 and len(lines) == 1, result.output
         assert lines[0].startswith(f"Error: {wof}: ") and what.strip() in lines[0], lines[0]
+
+
+def test_targets_by_operator_type_and_a_bad_choice_in_one_line(tmp_path):
+    runner = CliRunner()
+    cnn = FIXTURES / "cnn.tflite"
+    result = runner.invoke(trainconf, ["split", str(cnn), "-o", str(tmp_path), "--lora", "2",
+                                       "--lora-targets", "CONV_2D"])
+    assert result.exit_code == 0, result.output
+    meta = adapters_of(load_model(tmp_path / "cnn.frozen.circle"))
+    assert [ad.op for ad in meta.adapters] == ["CONV_2D", "CONV_2D"]
+    assert meta.alpha == 2.0  # the default alpha is the rank
+    for bad in (["--lora-targets", "no_such_layer"], ["--lora", "0"],
+                ["--memory-budget", "64KiB"]):
+        args = ["split", str(cnn), "-o", str(tmp_path / "bad"), "--lora", "2"] + bad
+        result = runner.invoke(trainconf, args)
+        assert result.exit_code != 0 and len(result.output.strip().splitlines()) == 1, \
+            result.output

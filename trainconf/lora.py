@@ -71,7 +71,10 @@ def adaptable(g: Graph, spec: str) -> list[Op]:
     chosen = [t for t, op in weights.items() if spec == "all" or op.type in items]
     rest = ",".join(s for s in items if s not in ADAPTED)
     if rest and spec != "all":
-        chosen += [t for t in select_trainable(g, rest, freeze_bias=True) if t in weights]
+        try:
+            chosen += [t for t in select_trainable(g, rest, freeze_bias=True) if t in weights]
+        except UserError as e:  # chosen as --trainable chooses, but named as given
+            raise UserError(None, e.problem.replace("--trainable", "--lora-targets")) from None
     ops = sorted({weights[t].index: weights[t] for t in chosen}.values(), key=lambda op: op.index)
     if not ops:
         raise UserError(None, f"--lora-targets {spec!r}: no {', '.join(ADAPTED)} operator with a "
