@@ -82,25 +82,22 @@ def adaptable(g: Graph, spec: str) -> list[Op]:
     return ops
 
 
-def _dims(g: Graph, op: Op, w: np.ndarray) -> tuple[tuple, tuple]:
-    """The shapes of A and B for `op`'s weight w."""
-    if op.type == "FULLY_CONNECTED":
-        return (None, w.shape[1]), (w.shape[0], None)
-    if op.type == "BATCH_MATMUL":  # x @ W, W [in, out] (adj_y: [out, in])
+def _initial_pair(op: Op, w: np.ndarray, r: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """A and B for `op`'s weight w: A Kaiming-uniform and B zero, as torch and PEFT
+    initialise them (an embedding: A zero and B normal, as PEFT does)."""
+    if op.type == "FULLY_CONNECTED":  # W [out, in]
+        a_shape, b_shape = (r, w.shape[1]), (w.shape[0], r)
+    elif op.type == "BATCH_MATMUL":  # x @ W, W [in, out] (adj_y: [out, in])
         out, inp = w.shape if op.options.get("adj_y") else w.shape[::-1]
-        return (None, inp), (out, None)
-    if op.type == "CONV_2D":  # W [out, kh, kw, in]
-        return (None,) + w.shape[1:], (w.shape[0], 1, 1, None)
-    return (w.shape[0], None), (w.shape[1], None)  # an embedding table [rows, dim]
-
-
-def _initial(shape: tuple, rng: np.random.Generator, kaiming: bool) -> np.ndarray:
-    """torch.nn.init.kaiming_uniform_(a=sqrt(5)): bound = gain·sqrt(3/fan_in) with
-    gain = sqrt(2/(1+a²)) = sqrt(1/3), i.e. 1/sqrt(fan_in); else N(0, 1)."""
-    if kaiming:
-        bound = 1 / np.sqrt(np.prod(shape[1:]))
-        return rng.uniform(-bound, bound, shape).astype(FLOAT32)
-    return rng.standard_normal(shape).astype(FLOAT32)
+        a_shape, b_shape = (r, inp), (out, r)
+    elif op.type == "CONV_2D":  # W [out, kh, kw, in]
+        a_shape, b_shape = (r,) + w.shape[1:], (w.shape[0], 1, 1, r)
+    else:  # an embedding table [rows, dim]
+        return np.zeros((w.shape[0], r), FLOAT32), \
+            rng.standard_normal((w.shape[1], r)).astype(FLOAT32)
+    # kaiming_uniform_(a=sqrt(5)): bound = gain·sqrt(3/fan_in), gain = sqrt(2/(1+a²)) = sqrt(1/3)
+    bound = 1 / np.sqrt(np.prod(a_shape[1:]))
+    return rng.uniform(-bound, bound, a_shape).astype(FLOAT32), np.zeros(b_shape, FLOAT32)
 
 
 def add_adapters(model, g: Graph, lora: LoraSpec, batch: int) -> tuple[Graph, list[int]]:
@@ -125,49 +122,44 @@ def add_adapters(model, g: Graph, lora: LoraSpec, batch: int) -> tuple[Graph, li
 
 def _adapt(edit: _Editor, op: Op, original, lora: LoraSpec, rng) -> Adapter:
     """Append op's adapter after it: op writes a new base tensor, the sum its output."""
-    g, r = edit.g, lora.rank
-    w = _constant_weight(g, op)
-    y = op.outputs[0]
+    g, w, y = edit.g, _constant_weight(edit.g, op), op.outputs[0]
     name, out_shape = g.tensors[y].name, edit.shape(y)
-    a_dims, b_dims = _dims(g, op, g.tensors[w].data)
-    embedding = op.type in ("GATHER", "EMBEDDING_LOOKUP")
-    a_shape = tuple(r if d is None else d for d in a_dims)
-    a_value = np.zeros(a_shape, FLOAT32) if embedding else _initial(a_shape, rng, True)
-    a = edit.const(f"{name}/lora_A", a_value)
-    b_shape = tuple(r if d is None else d for d in b_dims)
-    b = edit.const(f"{name}/lora_B", _initial(b_shape, rng, False) if embedding
-                   else np.zeros(b_shape, FLOAT32))
+    a_value, b_value = _initial_pair(op, g.tensors[w].data, lora.rank, rng)
+    a, b = edit.const(f"{name}/lora_A", a_value), edit.const(f"{name}/lora_B", b_value)
     base = edit.tensor(f"{name}/base", out_shape, FLOAT32)
     original.outputs = [base]
     activation = op.options.get("fused_activation_function", 0)
     if activation:
         original.builtinOptions.fusedActivationFunction = 0
+    u = _low_rank(edit, op, a, b, lora.rank, name, out_shape)
+    scale = edit.const(f"{name}/lora_scale", np.array(lora.scale(), FLOAT32))
+    v = edit.new("MUL", [u, scale], f"{name}/lora", out_shape, FLOAT32)
+    edit.op("ADD", [base, v], y, fused_activation_function=activation)
+    return Adapter(op=op.type, weight=w, a=a, b=b, base=base, output=y)
+
+
+def _low_rank(edit: _Editor, op: Op, a: int, b: int, r: int, name: str, out_shape) -> int:
+    """B(A(x)) for op's input x, as operators of op's kind."""
     low = out_shape[:-1] + (r,)
     if op.type == "CONV_2D":
         keep = ("padding", "stride_w", "stride_h", "dilation_w_factor", "dilation_h_factor")
         # zero biases: onert loads no CONV_2D without one (--lora keep)
         zeros = [edit.const(f"{name}/lora_{k}_bias", np.zeros(n, FLOAT32))
-                 for k, n in (("A", r), ("B", b_shape[0]))]
+                 for k, n in (("A", r), ("B", out_shape[-1]))]
         z = edit.new("CONV_2D", [op.inputs[0], a, zeros[0]], f"{name}/lora_Ax", low, FLOAT32,
                      **{k: op.options[k] for k in keep if k in op.options})
-        u = edit.new("CONV_2D", [z, b, zeros[1]], f"{name}/lora_BAx", out_shape, FLOAT32,
-                     padding=1, stride_w=1, stride_h=1)  # 1x1, VALID
+        return edit.new("CONV_2D", [z, b, zeros[1]], f"{name}/lora_BAx", out_shape, FLOAT32,
+                        padding=1, stride_w=1, stride_h=1)  # 1x1, VALID
+    if op.type == "GATHER":
+        z = edit.new("GATHER", [a, op.inputs[1]], f"{name}/lora_Ax", low, FLOAT32, **op.options)
+    elif op.type == "EMBEDDING_LOOKUP":
+        z = edit.new("EMBEDDING_LOOKUP", [op.inputs[0], a], f"{name}/lora_Ax", low, FLOAT32)
     else:
-        if op.type == "GATHER":
-            z = edit.new("GATHER", [a, op.inputs[1]], f"{name}/lora_Ax", low, FLOAT32,
-                         **op.options)
-        elif op.type == "EMBEDDING_LOOKUP":
-            z = edit.new("EMBEDDING_LOOKUP", [op.inputs[0], a], f"{name}/lora_Ax", low, FLOAT32)
-        else:
-            keep = bool(op.options.get("keep_num_dims")) or op.type == "BATCH_MATMUL"
-            z = edit.new("FULLY_CONNECTED", [op.inputs[0], a, -1], f"{name}/lora_Ax", low,
-                         FLOAT32, keep_num_dims=keep)
-        u = edit.new("FULLY_CONNECTED", [z, b, -1], f"{name}/lora_BAx", out_shape, FLOAT32,
-                     keep_num_dims=len(out_shape) > 2)
-    scale = edit.const(f"{name}/lora_scale", np.array(lora.scale(), FLOAT32))
-    v = edit.new("MUL", [u, scale], f"{name}/lora", out_shape, FLOAT32)
-    edit.op("ADD", [base, v], y, fused_activation_function=activation)
-    return Adapter(op=op.type, weight=w, a=a, b=b, base=base, output=y)
+        keep = bool(op.options.get("keep_num_dims")) or op.type == "BATCH_MATMUL"
+        z = edit.new("FULLY_CONNECTED", [op.inputs[0], a, -1], f"{name}/lora_Ax", low, FLOAT32,
+                     keep_num_dims=keep)
+    return edit.new("FULLY_CONNECTED", [z, b, -1], f"{name}/lora_BAx", out_shape, FLOAT32,
+                    keep_num_dims=len(out_shape) > 2)
 
 
 def adapters_of(model) -> Adapters | None:
