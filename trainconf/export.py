@@ -10,6 +10,7 @@ RESHAPE that a dynamic-batch Flatten became reads a constant shape with -1 as
 its batch, which TFLite and onert infer at run time.  Recurrent layers stay
 unrolled; trainconf/portable.py writes what onert lacks as operators it runs,
 with the same values, and computes at run time any other shape holding the batch.
+Low-rank adapters (`split --lora`) are folded into their weights, or kept.
 """
 from dataclasses import dataclass
 from pathlib import Path
