@@ -4,6 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .adapters import explain_misfit
 from .atomic import PENDING, check_set_complete
 from .contracts import GraphLinks, TrainingMeta
 from .errors import ContractError, UserError
@@ -92,10 +93,14 @@ def load_artifacts(frozen, wof=None, backprop=None, with_backprop: bool = True) 
     training = _record(model, TrainingMeta, frozen)
     _check_indices(frozen, TrainingMeta.NAME, "trainable", training.trainable,
                    len(model.subgraphs[0].tensors or ()))
-    weights = read_wof(wof, model)
-    if set(weights) != set(training.trainable):
-        raise UserError(wof, f"holds tensors {sorted(weights)} but {frozen.name} trains "
-                             f"tensors {sorted(training.trainable)}: not this model's .wof")
+    try:
+        weights = read_wof(wof, model)
+        if set(weights) != set(training.trainable):
+            raise UserError(wof, f"holds tensors {sorted(weights)} but {frozen.name} trains "
+                                 f"tensors {sorted(training.trainable)}: not this model's .wof")
+    except UserError:
+        explain_misfit(wof, frozen, model, training.trainable)  # an adapter file's misfit
+        raise
     forward = graph_of(model)
     check_dataflow(forward, frozen, set(training.trainable))
     first = (BATCH,) if symbolic_batch(forward) else (1,)

@@ -459,6 +459,36 @@ class RunState(Record):
         return {k: v for k, v in super().to_dict().items() if v is not None}
 
 
+@dataclass
+class Adapter(Record):
+    """One low-rank adapter: y = OP(x, W) + (alpha/rank)·B·A(x)."""
+    NAME = "adapter"
+    op: Literal["FULLY_CONNECTED", "BATCH_MATMUL", "CONV_2D", "GATHER", "EMBEDDING_LOOKUP"] = doc(
+        "the adapted operator")
+    weight: Index = doc("its frozen weight W")
+    a: Index = doc("A: [rank, in] (CONV_2D: [rank, kh, kw, in]; an embedding: the table "
+                   "[rows, rank])")
+    b: Index = doc("B: [out, rank] (CONV_2D: [out, 1, 1, rank]; an embedding: [dim, rank])")
+    base: Index = doc("the operator's own output, OP(x, W)")
+    output: Index = doc("the adapted output (the operator's output in the original model)")
+
+
+@dataclass
+class Adapters(Record):
+    """The low-rank adapters `trainconf split --lora` added, in the frozen model's
+    `microtrain.lora` metadata: a .wof of another rank or other targets is refused."""
+    NAME = "microtrain.lora"
+    VERSION = 1
+    version: int = doc("1")
+    rank: Annotated[int, Range(1, MAX_INDEX)] = doc("r, the rank of every adapter")
+    alpha: Annotated[float, Range(1e-30, 1e30)] = doc("alpha: adapters scale B·A by alpha/r")
+    adapters: list[Adapter] = doc("the adapters, in execution order")
+
+    def check(self) -> None:
+        if not self.adapters:
+            raise self.bad("adapters", "no adapters")
+
+
 CHECKPOINT_FORMAT = "microtrain-checkpoint"
 
 
@@ -485,5 +515,5 @@ class CheckpointMeta(Record):
 
 
 # Every record stored in a file, in the order schemas/contracts.md lists them.
-RECORDS = [TrainingMeta, Precision, TrainingParameters, GraphLinks, MemoryPlan, CheckpointMeta, OptimizerState,
+RECORDS = [TrainingMeta, Precision, TrainingParameters, Adapters, Adapter, GraphLinks, MemoryPlan, CheckpointMeta, OptimizerState,
            ShufflerState, LossScaleState, RunState]

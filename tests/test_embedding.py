@@ -12,6 +12,7 @@ from microtrain.cli import main
 from microtrain.data import load_array
 from microtrain.errors import UserError
 from microtrain.graph import Graph
+from microtrain.kernels import build
 from microtrain.trainer import Trainer
 from test_split_gradients import GraphMaker, check_gradients
 from tflite_op import tflite_run
@@ -37,6 +38,16 @@ def test_lookup_of_computed_ids_matches_litert(op):
 def test_an_id_outside_the_table_is_refused_not_wrapped():
     with pytest.raises(UserError, match="index 9 outside the 7 rows of its table"):
         run("GATHER", [np.zeros((7, 3), np.float32), np.array([1, 9], np.int32)], [(2, 3)])
+
+
+def test_ids_are_read_when_the_lookup_runs_not_when_it_is_prepared():
+    """The arena may hold another tensor's bytes where the ids will be computed."""
+    table, index = rng.normal(size=(7, 3)).astype(np.float32), np.array([99, -5], np.int32)
+    out = np.empty((2, 3), np.float32)
+    step = build("GATHER", [table, index], [out])
+    index[:] = [6, 0]
+    step()
+    np.testing.assert_array_equal(out, table[[6, 0]])
 
 
 @pytest.mark.parametrize("vocab, shape, padding", [(5, (3, 8), False), (10000, (32, 64), True),

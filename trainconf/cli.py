@@ -11,10 +11,11 @@ from microtrain.format.model import load_model
 
 from .backprop import LOSSES, REDUCTIONS
 from .circle_plus import METADATA as CIRCLE_PLUS
-from .export import WEIGHT_TYPES, export
+from .export import LORA_EXPORTS, WEIGHT_TYPES, export
 from .importer import import_tflite
 from .inspect import describe, planned_memory, render_text
 from .memory import peak_text
+from .lora import LoraSpec
 from .split import DEFAULT_REDUCTION, DEFAULT_TRAINABLE, PRECISIONS, split
 
 MODEL = click.Path(dir_okay=False, path_type=Path)
@@ -128,16 +129,31 @@ def parameters_text(report: dict) -> str:
               help="Choose what trains so that the planned peak memory fits SIZE (bytes, or "
                    "e.g. 64KiB, 1.5MB): the weighted ops nearest the output first, the lowest "
                    "one possibly only its bias or some output channels. Replaces --trainable.")
+@click.option("--lora", "lora_rank", type=click.IntRange(1), metavar="RANK",
+              help="Train low-rank adapters of rank RANK beside the frozen weights of the "
+                   "--lora-targets operators (LoRA): W stays in the frozen model, the .wof holds "
+                   "only the adapters and what --trainable names  [default: no adapters; with "
+                   "--lora, --trainable defaults to nothing more]")
+@click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), metavar="A",
+              help="Adapters add (A/RANK)·B·A(x)  [default: RANK, a scale of 1]")
+@click.option("--lora-targets", default="all", show_default=True, metavar="SPEC",
+              help="The FULLY_CONNECTED, BATCH_MATMUL (constant weight), CONV_2D, GATHER and "
+                   "EMBEDDING_LOOKUP operators that get adapters: chosen as --trainable chooses, "
+                   "or by operator type (e.g. FULLY_CONNECTED,CONV_2D)")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the adapters' initial A (Kaiming-uniform; B starts at zero)")
 @estimate_options(f"MODEL's circle+ {CIRCLE_PLUS}",
                   ["optimizer", "hyperparameters", "batch_size", "epochs"],
                   " (recorded for microtrain run; also the memory estimate's)")
 @FORCE_OPTION
 @JSON_OPTION
-def split_command(model: Path, outdir: Path | None, as_json: bool, **options):
+def split_command(model: Path, outdir: Path | None, as_json: bool, lora_rank: int | None,
+                  lora_alpha: float | None, lora_targets: str, seed: int, **options):
     """Write STEM.frozen.circle (the forward graph, trainable weights cut out),
     STEM.wof (those weights) and STEM.backprop.circle (the gradient graph) for
     MODEL (.circle or .tflite)."""
-    summary = split(model, outdir, **options).summary()
+    lora = None if lora_rank is None else LoraSpec(lora_rank, lora_alpha, lora_targets, seed)
+    summary = split(model, outdir, lora=lora, **options).summary()
     if as_json:
         print_json(summary)
         return
@@ -164,6 +180,10 @@ def split_command(model: Path, outdir: Path | None, as_json: bool, **options):
               help="fp16: every float32 constant stored as float16 and read through a "
                    "DEQUANTIZE operator, as MediaPipe ships its models (half the bytes; "
                    "LiteRT runs it, onert 0.1.0 does not).")
+@click.option("--lora", type=click.Choice(LORA_EXPORTS), default="merge", show_default=True,
+              help="A model split with --lora: merge folds (alpha/r)·B·A into each adapted "
+                   "weight and writes the original operators; keep writes the adapters as "
+                   "operators of their own.")
 @click.option("--traininfo", is_flag=True,
               help=f"Write the training setup (optimizer and its arguments, loss, reduction, "
                    f"batch size, epochs, trainable operators) as circle+ {CIRCLE_PLUS} "

@@ -10,6 +10,7 @@ RESHAPE that a dynamic-batch Flatten became reads a constant shape with -1 as
 its batch, which TFLite and onert infer at run time.  Recurrent layers stay
 unrolled; trainconf/portable.py writes what onert lacks as operators it runs,
 with the same values, and computes at run time any other shape holding the batch.
+Low-rank adapters (`split --lora`) are folded into their weights, or kept.
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ import numpy as np
 import tflite
 
 from microtrain.artifacts import TRAINING_META, load_artifacts
+from microtrain.contracts import Adapters
 from microtrain.atomic import atomic_write
 from microtrain.files import check_output
 from microtrain.errors import UserError
@@ -28,6 +30,7 @@ from microtrain.graph import BATCH, graph_of
 
 from .circle_plus import METADATA as CIRCLE_PLUS, set_circle_plus, to_circle_plus
 from .importer import TFLITE_VERSION
+from .lora import adapters_of, merge as merge_adapters
 from .portable import make_portable
 from .select import weighted_ops
 from .split import activations
@@ -35,6 +38,7 @@ from .writer import set_constant
 
 IDENTIFIERS = {".circle": b"CIR0", ".tflite": b"TFL3"}
 WEIGHT_TYPES = ("fp32", "fp16")
+LORA_EXPORTS = ("merge", "keep")
 # TFLite's op version of DEQUANTIZE that reads float16 (its versions: 1 uint8,
 # 2 int8, 3 float16).
 DEQUANTIZE_FP16_VERSION = 3
@@ -57,27 +61,35 @@ class ExportResult:
 
 
 def export(frozen, output, wof=None, weights: str = "fp32", traininfo: bool = False,
-           force: bool = False) -> ExportResult:
+           force: bool = False, lora: str = "merge") -> ExportResult:
     """Write FROZEN with the weights of `wof` (default STEM.wof beside it) to
     `output`, whose suffix (.circle or .tflite) chooses the format.  With
-    `traininfo`, the training setup goes along as circle+ CIRCLE_TRAINING."""
+    `traininfo`, the training setup goes along as circle+ CIRCLE_TRAINING.
+    A model with LoRA adapters gets them folded into its weights (`lora`
+    "merge": the original structure) or kept as operators ("keep")."""
     frozen, output = Path(frozen), Path(output)
     identifier = IDENTIFIERS.get(output.suffix)
     if identifier is None:
         raise UserError(output, "the output must end in .circle or .tflite")
     check_output(output, (output.suffix[1:],), force)
+    if lora not in LORA_EXPORTS:
+        raise UserError(None, f"unknown --lora {lora!r} (choose {' or '.join(LORA_EXPORTS)})")
     if weights not in WEIGHT_TYPES:
         raise UserError(None, f"unknown weight type {weights!r} (choose fp32 or fp16)")
     art = load_artifacts(frozen, wof, with_backprop=False)
     model = load_model(frozen)
     for t, value in art.weights.items():
         set_constant(model, t, np.asarray(value, np.float32))
+    trained = set(art.weights)
+    if lora == "merge" and adapters_of(model) is not None:
+        trained = merge_adapters(model, art.weights)
+    remove_metadata(model, Adapters.NAME)
     batch = art.training.batch
     restore_activations(model, batch)
     make_portable(model, batch)
     remove_metadata(model, TRAINING_META)
     remove_metadata(model, CIRCLE_PLUS)
-    trainable_ops = trainable_operators(model, set(art.weights))
+    trainable_ops = trainable_operators(model, trained)
     if weights == "fp16":
         shift = dequantize_weights(model)
         trainable_ops = [i + shift for i in trainable_ops]

@@ -196,7 +196,7 @@ def select_trainable(g: Graph, spec: str | set[int], freeze_bias: bool = False) 
     if not chosen:
         raise UserError(None, f"--trainable {spec!r} chooses nothing to train "
                               "(all, last:N or a comma list of names)", "--trainable")
-    return _in_first_use_order(g, chosen)
+    return in_first_use_order(g, chosen)
 
 
 def select_by_outputs(g: Graph, outputs: set[int], freeze_bias: bool = False) -> list[int]:
@@ -207,10 +207,10 @@ def select_by_outputs(g: Graph, outputs: set[int], freeze_bias: bool = False) ->
     if not chosen:
         raise UserError(None, "circle+'s trainable_ops name no weighted operator "
                               f"({', '.join(WEIGHTED)}): give --trainable")
-    return _in_first_use_order(g, chosen)
+    return in_first_use_order(g, chosen)
 
 
-def _in_first_use_order(g: Graph, chosen: list[int]) -> list[int]:
+def in_first_use_order(g: Graph, chosen: list[int]) -> list[int]:
     first_use: dict[int, int] = {}
     for t in (t for op in g.ops for t in op.inputs):
         first_use.setdefault(t, len(first_use))

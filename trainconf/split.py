@@ -28,7 +28,8 @@ from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .operators import FOLDS, ROW_GRADS
 from .hoist import hoist_input_projections
 from .recurrent import lower_recurrent
-from .select import id_inputs, select_trainable
+from .lora import LoraSpec, add_adapters
+from .select import in_first_use_order, id_inputs, select_trainable
 from .sequence_reads import read_sequences_batch_major
 from .support import check_forward
 from .unroll import unroll_loops
@@ -192,7 +193,7 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
           grad_dtype: str | None = None, memory_budget: str | int | None = None,
           optimizer: str | None = None, batch_size: int | None = None, accum_steps: int = 1,
           embedding_update: str = DEFAULT_EMBEDDING_UPDATE, epochs: int | None = None, ignore_index: int | None = None, from_logits: bool = False,
-          force: bool = False, **hyperparameters) -> SplitResult:
+          force: bool = False, lora: LoraSpec | None = None, **hyperparameters) -> SplitResult:
     """Write STEM.frozen.circle, STEM.wof and STEM.backprop.circle for MODEL.
     What is not given (None) comes from the model's circle+ CIRCLE_TRAINING when
     it has one, else the defaults; the training parameters (optimizer and its
@@ -202,7 +203,8 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
     embedding tables update, microtrain/lazy.py); `ignore_index` and
     `from_logits` qualify the loss (LossSpec); with `memory_budget`
     (bytes, or a size such as "64KiB") what trains is chosen so that it fits
-    (trainconf/budget.py) instead of by `trainable`."""
+    (trainconf/budget.py) instead of by `trainable`.  With `lora`, low-rank
+    adapters train (trainconf/lora.py), plus what `trainable` names."""
     model_path = Path(model_path)
     frozen, wof, backprop = output_paths(model_path, out_dir)
     for path, kind in ((frozen, "circle"), (wof, "wof"), (backprop, "circle")):
@@ -215,10 +217,14 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
 
         def make(choose) -> Built:
             return build(model_path, choose, setup.loss, setup.reduction, types,
-                         params.batch_size, params, ignore_index, from_logits)
-        if memory_budget is None:
+                         params.batch_size, params, ignore_index, from_logits, lora)
+        if lora is not None and memory_budget is not None:
+            raise UserError(None, "--memory-budget chooses what trains: leave out --lora")
+        budget = None
+        if lora is not None and trainable is None:
+            built = make(lambda g: ([], {}))  # the adapters alone
+        elif memory_budget is None:
             built = make(lambda g: (select_trainable(g, setup.trainable, freeze_bias), {}))
-            budget = None
         else:
             if trainable is not None or freeze_bias:
                 raise UserError(None, "--memory-budget chooses what trains: leave out "
@@ -300,15 +306,20 @@ def load_prepared(model_path: Path, types: dict):
 
 def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
           parameters: TrainingParameters | None = None, ignore_index: int | None = None,
-          from_logits: bool = False) -> Built:
+          from_logits: bool = False, lora: LoraSpec | None = None) -> Built:
     """Split the model at `model_path`; `choose(graph)` returns the trainable
     tensors (in execution order) and the rows {tensor: (lo, hi)} of those that
     train only some of their rows.  The kernel scratch is measured at batch 1
-    and `batch_size`.  `parameters` are recorded for microtrain run."""
+    and `batch_size`.  `parameters` are recorded for microtrain run; `lora`
+    adds adapters that train beside the chosen tensors."""
     model, g, model_batch = load_prepared(model_path, types)
     check_forward(g)
     remove_metadata(model, CIRCLE_PLUS)  # its operator indices predate the folding
     weights, rows = choose(g)
+    if lora is not None:
+        g, adapters = add_adapters(model, g, lora, model_batch)
+        set_activation_dtype(model, g, dtype_of(types.activations))
+        weights = in_first_use_order(g, weights + adapters)
     loss = loss or default_loss(g)
     chosen = LossSpec(loss, reduction, ignore_index, from_logits)
     check_loss(g, chosen)

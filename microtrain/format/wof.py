@@ -76,6 +76,17 @@ def wof_from_bytes(data: bytearray, model, path=None) -> dict[int, np.ndarray]:
     return arrays
 
 
+def layout(data) -> tuple[int, tuple[int, ...]] | None:
+    """(tensor count, offsets) of a .wof, None when its header or table is cut or
+    not a .wof's: for explaining a misfit, not validating it (wof_from_bytes does)."""
+    if len(data) < _HEADER.size:
+        return None
+    magic, version, _, count = _HEADER.unpack_from(data)
+    if magic != MAGIC or version != VERSION or len(data) < _HEADER.size + 4 * count:
+        return None
+    return count, struct.unpack_from(f"<{count}I", data, _HEADER.size)
+
+
 def _check_finite(array: np.ndarray, what: str, path) -> None:
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         bad = int(np.count_nonzero(~np.isfinite(array)))
