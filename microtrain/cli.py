@@ -239,6 +239,7 @@ def sweep(grid_texts, random_trials, search, trials, halving, seed, jobs, log, *
                         trials=random_trials or trials, seed=seed, jobs=jobs, halving=halving,
                         log=log)
     as_json = fixed.pop("as_json")  # how the sweep prints, not how its trials run
+    session.check_run_outputs(fixed)
     job = Sweep(RunOptions(run, [p.name for p in SWEEPABLE]), fixed, grid_texts, settings)
     if as_json:
         summary = job.run(on_trial=print_json)
@@ -287,6 +288,7 @@ def plot(logs, output, width, height, as_json):
     metric against each swept option, and the best trials' curves). Needs the optional
     extra [plot] (matplotlib)."""
     from .plot import plot as draw
+    check_output(output, None, reads=[("LOGS", log) for log in logs])
     result = draw(logs, output, width, height)
     if as_json:
         print_json(result)
@@ -387,8 +389,8 @@ def federated(**kw):
     the server aggregates their weights, evaluates them on the held-out set and writes
     the best to the .wof if they beat the starting weights. Needs the [federated] extra."""
     settings = FederatedSettings.from_options(kw)
-    if settings.output_wof:
-        check_output(settings.output_wof, ("wof",), kw["force"])
+    if not kw["write_app"]:
+        session.check_run_outputs(kw)
     try:
         if kw["write_app"]:
             from .federated.deployment import write_app

@@ -34,7 +34,8 @@ def main():
 @FORCE_OPTION
 def import_command(model: Path, output: Path | None, force: bool):
     """Convert MODEL.tflite to a .circle model (same graph, weights and signatures)."""
-    output = check_output(output or model.with_suffix(".circle"), ("circle",), force)
+    output = check_output(output or model.with_suffix(".circle"), ("circle",), force,
+                          reads=(("MODEL", model),))
     import_tflite(model, output)
     click.echo(f"wrote {output}")
 

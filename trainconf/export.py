@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import tflite
 
-from microtrain.artifacts import TRAINING_META, load_artifacts
+from microtrain.artifacts import TRAINING_META, load_artifacts, sibling
 from microtrain.atomic import atomic_write
 from microtrain.files import check_output
 from microtrain.errors import UserError
@@ -65,7 +65,8 @@ def export(frozen, output, wof=None, weights: str = "fp32", traininfo: bool = Fa
     identifier = IDENTIFIERS.get(output.suffix)
     if identifier is None:
         raise UserError(output, "the output must end in .circle or .tflite")
-    check_output(output, (output.suffix[1:],), force)
+    check_output(output, (output.suffix[1:],), force,
+                 reads=(("FROZEN", frozen), ("--wof", wof or sibling(frozen, ".wof"))))
     if weights not in WEIGHT_TYPES:
         raise UserError(None, f"unknown weight type {weights!r} (choose fp32 or fp16)")
     art = load_artifacts(frozen, wof, with_backprop=False)

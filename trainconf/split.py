@@ -205,7 +205,7 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
     model_path = Path(model_path)
     frozen, wof, backprop = output_paths(model_path, out_dir)
     for path, kind in ((frozen, "circle"), (wof, "wof"), (backprop, "circle")):
-        check_output(path, (kind,), force)
+        check_output(path, (kind,), force, reads=(("MODEL", model_path),), make_folder=True)
     try:
         types = resolve_precision(precision, weight_dtype, activation_dtype, grad_dtype)
         setup = training_setup(model_path, trainable, loss, reduction,
