@@ -38,6 +38,12 @@ FORCE_OPTION = click.option(
          "checkpoint, an array). Default: refuse, naming the file.")
 
 
+WAIT_OPTION = click.option(
+    "--wait", is_flag=True,
+    help="When another run or split holds these files (microtrain/lock.py), wait until it "
+         "ends. Default: refuse, naming its process.")
+
+
 def print_json(document) -> None:
     """Print one JSON document on one line of stdout, so that a stream of them
     (one per epoch, then a summary) is JSON Lines."""

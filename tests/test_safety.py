@@ -4,6 +4,7 @@ unless forced, concurrent runs on one set are refused (or wait), every output
 is checked before any work, errors name their file and option, a closed stdout
 ends quietly, and a file's shapes never size an allocation beyond this
 machine's memory."""
+import json
 import os
 import resource
 import shutil
@@ -116,14 +117,16 @@ def test_split_over_trained_weights_is_refused_unless_forced(tmp_path):
 # -- 2. one run at a time on a set ----------------------------------------------------------------
 
 def _holding(frozen, tmp_path, *extra) -> subprocess.Popen:
-    """A run in another process that holds the set's lock for a while."""
-    proc = _cli("microtrain", *_run(frozen, "--epochs", "200", "--save", "always", *extra),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """A run in another process that holds the set's lock for a while; its output
+    goes to tmp_path/holder.out (a pipe nobody reads would stop it)."""
+    with open(tmp_path / "holder.out", "w") as out:
+        proc = _cli("microtrain", *_run(frozen, "--epochs", "1000000", "--save", "always", *extra),
+                    stdout=out, stderr=subprocess.STDOUT, text=True)
     lock = frozen.with_name(f".{frozen.name}.lock")
     for _ in range(600):
         if lock.exists() and lock.read_text().strip() == str(proc.pid):
             return proc
-        assert proc.poll() is None, proc.communicate()
+        assert proc.poll() is None, (tmp_path / "holder.out").read_text()
         time.sleep(0.05)
     raise AssertionError("the run never took its lock")
 
@@ -151,11 +154,14 @@ def test_a_run_writing_the_same_wof_from_another_set_is_refused(mlp, tmp_path):
 
 
 def test_wait_waits_for_the_holder_and_only_one_writes_at_a_time(mlp, tmp_path):
-    first = _holding(mlp.frozen, tmp_path, "--epochs", "3")
-    second = _ok(microtrain, _run(mlp.frozen, "--save", "always", "--wait"))
-    out, _ = first.communicate()
-    assert first.returncode == 0 and "weights written to" in out
-    assert "weights written to" in second.output  # after the first, not at once
+    first = _holding(mlp.frozen, tmp_path, "--epochs", "300", "--json")
+    second = _ok(microtrain, _run(mlp.frozen, "--save", "always", "--wait", "--json"))
+    first.communicate()
+    first_summary = json.loads((tmp_path / "holder.out").read_text().splitlines()[-1])
+    second_summary = json.loads(second.output.splitlines()[-1])
+    assert first_summary["saved"] and second_summary["saved"]
+    # the second started from the weights the first wrote: it waited for them
+    assert second_summary["initial_loss"] == first_summary["final_loss"]
 
 
 def test_a_lock_left_by_a_killed_process_does_not_block(mlp, tmp_path):
