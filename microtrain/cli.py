@@ -192,7 +192,7 @@ def _progress(length: int, label: str):
 SWEEP_FIXED = ("frozen", "wof", "backprop", "inputs", "input_shapes", "targets", "target_shapes",
                "test_inputs", "test_targets", "validation_split", "metric", "output_wof", "force",
                "wait", "as_json")
-SWEEP_REPLACES = ("checkpoint", "resume", "save")
+SWEEP_REPLACES = ("checkpoint", "resume", "save", "verbose")
 SWEEPABLE = [p for p in run.params
              if isinstance(p, click.Option) and p.name not in SWEEP_FIXED + SWEEP_REPLACES]
 

@@ -6,10 +6,9 @@ write the same files.
 A lock is an advisory `flock` on `.NAME.lock` beside the file it guards (beside
 the frozen model for the set).  The kernel releases it when its process ends,
 however it ends (kill -9 included), so a lock left by a killed process never
-blocks; the lock file itself stays (removing it would race with a process that
-has it open).  The holder writes its process id into it, for the message of
-the command refused.  The Python API (microtrain.session) takes no locks: a
-sweep's trials run under the sweep's.
+blocks (its file stays until the next holder removes it).  The holder writes
+its process id into it, for the message of the command refused.  The Python
+API (microtrain.session) takes no locks: a sweep's trials run under the sweep's.
 """
 import errno
 import fcntl
@@ -41,27 +40,43 @@ def locked(paths, wait: bool = False):
 
 @contextmanager
 def _lock(path: Path, wait: bool):
+    name = lock_file(path)
+    fd = _acquire(name, path, wait)
+    if fd is None:
+        yield
+        return
     try:
-        fd = os.open(lock_file(path), os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as e:
-        if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT):
-            # a folder nothing can be written in (or not made yet): nothing to guard
-            yield
-            return
-        raise UserError(path, f"cannot lock it: {e.strerror or e}") from None
-    try:
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        name.unlink(missing_ok=True)  # while still held: see _acquire
+        os.close(fd)  # releases the lock
+
+
+def _acquire(name: Path, path: Path, wait: bool) -> int | None:
+    """A descriptor of the lock file `name`, locked; None where nothing can be
+    written.  A holder removes the file before it lets go, so a lock taken on a
+    file that is no longer `name` is dropped and taken again on the new one."""
+    while True:
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT):
+                return None  # a folder nothing can be written in (or not made yet)
+            raise UserError(path, f"cannot lock it: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if not wait:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                os.close(fd)
                 raise UserError(path, f"in use by process {holder or '(starting)'} (another run "
                                       "or split of these files); give --wait to wait for it") \
                     from None
             fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
-        os.ftruncate(fd, 0)
-    finally:
-        os.close(fd)  # releases the lock
+        try:
+            if os.fstat(fd).st_ino == os.stat(name).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)

@@ -170,7 +170,9 @@ def check_run_outputs(kw) -> Path:
     force = kw.get("force", False)
     others = [(option, path) for option, path in reads(kw) if option != "--wof"]
     target = kw.get("output_wof") or kw.get("wof") or sibling(Path(kw["frozen"]), ".wof")
-    check_output(target, ("wof",), force, reads=others, option="--output-wof")
+    # the default target is the .wof read: a FROZEN that is that file is for the loader to name
+    check_output(target, ("wof",), force, reads=others if kw.get("output_wof") else (),
+                 option="--output-wof")
     if kw.get("checkpoint") and not kw.get("resume"):
         check_output(kw["checkpoint"], ("checkpoint",), force, reads=reads(kw),
                      option="--checkpoint")
