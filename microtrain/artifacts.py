@@ -173,6 +173,10 @@ def _check_shapes(art: Artifacts, backprop: Graph, links: GraphLinks, path: Path
             raise ContractError(path, f"backprop tensor {b} has shape {list(backprop.tensors[b].shape)}"
                                       f" but stands for forward tensor {f} of shape "
                                       f"{list(art.forward.tensors[f].shape)}", where)
+    if list(backprop.tensors[links.loss].shape) != [1]:
+        raise ContractError(path, f"loss tensor {links.loss} has shape "
+                                  f"{list(backprop.tensors[links.loss].shape)}; a loss is one "
+                                  "value, shape [1]", f"{GraphLinks.NAME}: loss")
     if len(links.targets) != len(art.forward.outputs):
         raise ContractError(path, f"{len(links.targets)} targets for a model of "
                                   f"{len(art.forward.outputs)} outputs", f"{GraphLinks.NAME}: targets")

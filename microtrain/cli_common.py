@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import click
 
-from .contracts import TrainingParameters
+from .contracts import MAX_INDEX, TrainingParameters
 from .errors import UserError
 from .lazy import DEFAULT_EMBEDDING_UPDATE, EMBEDDING_UPDATES
 from .optimizers import DEFAULTS as OPTIMIZER_DEFAULTS, OPTIMIZERS
@@ -28,6 +28,13 @@ class CommandGroup(click.Group):
             help="Show the warnings of the libraries used (Ray, Flower, numpy...). Default: "
                  "hidden."))
         super().add_command(cmd, name)
+
+    def parse_args(self, ctx, args):
+        for arg in args:  # the OS refuses such a path; click's checks would raise ValueError
+            if "\0" in arg:
+                raise click.ClickException(one_line(f"{arg}: an argument cannot hold a NUL "
+                                                    "character"))
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
         saved = os.environ.get("PYTHONWARNINGS")
@@ -194,7 +201,8 @@ def parameter_options(recorded: str, names=("optimizer", "hyperparameters", "bat
         "batch_size": [click.option("--batch-size", type=click.IntRange(1),
                                     help=f"Samples per step{purpose}; a partial last batch is "
                                          "used, not dropped." + default(defaults.batch_size))],
-        "epochs": [click.option("--epochs", type=click.IntRange(1),
+        # at most what circle+ records (an int32, schemas/circle_traininfo.fbs)
+        "epochs": [click.option("--epochs", type=click.IntRange(1, MAX_INDEX),
                                 help="Epochs to train." + default(defaults.epochs))],
     }
 

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from microtrain.cli import main as microtrain
-from microtrain.format.model import model_from_bytes, model_to_bytes
+from microtrain.format.model import get_metadata, model_from_bytes, model_to_bytes
 from model_patch import FIXTURES
 from trainconf.cli import main as trainconf
 from trainconf.split import split
@@ -126,9 +126,12 @@ def _holding(frozen, tmp_path, *extra) -> subprocess.Popen:
     for _ in range(600):
         if lock.exists() and lock.read_text().strip() == str(proc.pid):
             return proc
-        assert proc.poll() is None, (tmp_path / "holder.out").read_text()
+        if proc.poll() is not None:
+            break
         time.sleep(0.05)
-    raise AssertionError("the run never took its lock")
+    proc.kill()
+    proc.communicate()
+    raise AssertionError("the run never took its lock: " + (tmp_path / "holder.out").read_text())
 
 
 def test_a_second_run_on_the_same_set_is_refused(mlp, tmp_path):
@@ -293,3 +296,54 @@ def test_a_huge_shape_signature_is_one_line_under_a_memory_limit(tmp_path):
     _, err = proc.communicate()
     assert proc.returncode == 1 and len(err.splitlines()) == 1, err
     assert err.startswith(f"Error: {path}: "), err
+
+
+# findings of the fuzz campaign (tests/test_fuzz.py at 10,000 cases over seeds 1-4)
+
+def _forged(files, edit) -> None:
+    """The backprop graph of `files` with `edit(model)` applied, resealed as a forger would."""
+    from fuzz_cases import reseal
+    model = model_from_bytes(files.backprop.read_bytes())
+    edit(model, json.loads(get_metadata(model, "microtrain.backprop")))
+    files.backprop.write_bytes(reseal(model_to_bytes(model)))
+
+
+@pytest.mark.parametrize("shape", [[3], [1, 1], []])
+def test_a_loss_tensor_of_another_shape_is_one_line(mlp, shape):
+    def edit(model, links):
+        model.subgraphs[0].tensors[links["loss"]].shape = shape
+    _forged(mlp, edit)
+    line = _one_error(microtrain, ["eval", mlp.frozen, "--input", X, "--target", T])
+    assert line.endswith(f"has shape {shape}; a loss is one value, shape [1]")
+
+
+def test_a_planned_shape_whose_size_overflows_int64_is_one_line(mlp):
+    def edit(model, links):
+        linked = {links["loss"], *links["targets"]}
+        planned = next(t for t, *_ in links["memory"]["backprop"] if t not in linked)
+        t = model.subgraphs[0].tensors[planned]
+        t.shape = t.shapeSignature = [-1] + [2 ** 31 - 1] * 4
+    _forged(mlp, edit)
+    line = _one_error(microtrain, _run(mlp.frozen))
+    assert line.startswith(f"Error: {mlp.backprop}: memory plan: backprop tensor ")
+
+
+@pytest.mark.parametrize("tail", [[], [2 ** 31 - 1, 2 ** 31 - 1]])
+def test_a_trainable_tensor_with_no_elements_is_one_line(mlp, tmp_path, tail):
+    model = model_from_bytes(mlp.frozen.read_bytes())
+    trainable = json.loads(get_metadata(model, "microtrain.training"))["trainable"]
+    tensor = model.subgraphs[0].tensors[trainable[0]]
+    tensor.shape = [tensor.shape[0], 0] + list(tensor.shape[1:]) + tail
+    mlp.frozen.write_bytes(model_to_bytes(model))
+    line = _one_error(microtrain, ["infer", mlp.frozen, "--input", X, "-o", tmp_path / "o.npy"])
+    assert line.endswith("with no elements")
+
+
+def test_epochs_beyond_what_circle_plus_records_are_refused(mlp):
+    line = _one_error(microtrain, _run(mlp.frozen, "--epochs", str(2 ** 31)))
+    assert "--epochs" in line and "2147483648" in line
+
+
+def test_an_argument_holding_a_nul_is_one_line(mlp, tmp_path):
+    line = _one_error(microtrain, ["infer", mlp.frozen, "--input", X, "-o", f"{tmp_path}/a\0b"])
+    assert line.endswith("an argument cannot hold a NUL character")
