@@ -347,3 +347,11 @@ def test_epochs_beyond_what_circle_plus_records_are_refused(mlp):
 def test_an_argument_holding_a_nul_is_one_line(mlp, tmp_path):
     line = _one_error(microtrain, ["infer", mlp.frozen, "--input", X, "-o", f"{tmp_path}/a\0b"])
     assert line.endswith("an argument cannot hold a NUL character")
+
+
+def test_shapes_whose_plan_overflows_int64_are_one_line(tmp_path):
+    # cnn.tflite with one tensor's shape corrupted (fuzz seed 8, case 208)
+    model = tmp_path / "cnn.tflite"
+    shutil.copy(FIXTURES / "fuzz_planning_overflow.tflite", model)
+    line = _one_error(trainconf, ["split", model, "-o", tmp_path / "split"])
+    assert line.startswith(f"Error: {model}: the tensors of a training step need up to ")
