@@ -8,10 +8,16 @@ offset, shaped [B, ...], so the leading-rows views of a partial batch stay
 contiguous.
 """
 import functools
+import math
 import os
 import types
 
 import numpy as np
+
+try:
+    import resource
+except ImportError:  # not POSIX
+    resource = None
 
 from .contracts import MemoryPlan
 from .errors import UserError
@@ -26,6 +32,23 @@ def physical_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 1 << 40
+
+
+def memory_limit() -> int:
+    """Bytes this process may allocate: the machine's memory, or less where a limit
+    says so (ulimit -v / -d, a cgroup's memory.max), so that a size read from a
+    file is refused in one line rather than failing inside numpy."""
+    limits = [physical_memory()]
+    for name in ("RLIMIT_AS", "RLIMIT_DATA"):
+        soft = resource.getrlimit(getattr(resource, name))[0] if resource else -1
+        if soft > 0:  # RLIM_INFINITY is -1
+            limits.append(soft)
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limits.append(int(f.read()))
+    except (OSError, ValueError):  # no cgroup v2 limit ("max")
+        pass
+    return min(limits)
 
 
 def linear(form, batch: int) -> int:
@@ -55,7 +78,7 @@ class Arena:
             tensor = g.tensors[t]
             shape, dtype = concrete_shape(tensor.shape, self.batch), np.dtype(dtype_of(tensor.dtype))
             lo = linear((a, c), self.batch)
-            hi = lo + int(np.prod(shape)) * dtype.itemsize
+            hi = lo + math.prod(shape) * dtype.itemsize
             if lo < 0 or hi > self.bytes.size or lo % dtype.itemsize:
                 raise UserError(self.path, f"memory plan: {graph} tensor {t} ({tensor.name}) "
                                            f"at bytes {lo}..{hi} does not fit the arena of "

@@ -10,7 +10,7 @@ from .contracts import GraphLinks, TrainingMeta
 from .errors import ContractError, UserError
 from .files import read_regular
 from .format.model import get_metadata, model_from_bytes
-from .format.wof import read_wof
+from .format.wof import MAGIC, VERSION, read_wof
 from .graph import BATCH, Graph, check_dataflow, graph_of, symbolic_batch
 
 try:  # CPython's own SHA-256: hashlib would load OpenSSL (~4 MB resident) just for this
@@ -28,6 +28,7 @@ def fingerprint(data: bytes) -> str:
     return sha256(data).hexdigest()
 
 
+WOF_MAGIC = MAGIC.to_bytes(2, "little") + bytes([VERSION])  # a .wof's first bytes
 UNSEALED = "0" * 64  # the backprop_sha256 a backprop graph is hashed with
 
 
@@ -78,8 +79,29 @@ def sibling(frozen: Path, suffix: str) -> Path:
 def _record(model, record, path: Path):
     raw = get_metadata(model, record.NAME)
     if raw is None:
-        raise UserError(path, f"no {record.NAME!r} metadata: not a file written by `trainconf split`")
+        raise UserError(path, _not_split(model, record, path))
     return record.from_json(raw, path)
+
+
+SPLIT_SUFFIXES = (".frozen.circle", ".backprop.circle", ".wof")
+
+
+def split_name(path: Path, suffix: str) -> str:
+    """The name of the file of `path`'s split set with `suffix` (STEM.wof, ...)."""
+    stem = next((path.name[:-len(s)] for s in SPLIT_SUFFIXES if path.name.endswith(s)), path.stem)
+    return stem + suffix
+
+
+def _not_split(model, record, path: Path) -> str:
+    """What a model without `record` is, and what to give instead."""
+    if record is TrainingMeta and get_metadata(model, GraphLinks.NAME) is not None:
+        return (f"is the backprop graph of a split, not the model; give the model "
+                f"{split_name(path, '.frozen.circle')} instead")
+    if record is GraphLinks and get_metadata(model, TrainingMeta.NAME) is not None:
+        return ("is the split model, not its backprop graph; give "
+                f"{split_name(path, '.backprop.circle')} instead")
+    return (f"no {record.NAME!r} metadata: not a file written by `trainconf split`; split it "
+            f"first (trainconf split {path.name}) and give STEM.frozen.circle")
 
 
 
@@ -89,6 +111,9 @@ def load_artifacts(frozen, wof=None, backprop=None, with_backprop: bool = True) 
     check_set_complete(sibling(frozen, PENDING))
     wof = Path(wof) if wof else sibling(frozen, ".wof")
     frozen_bytes = read_regular(frozen, "model")
+    if frozen_bytes[:3] == WOF_MAGIC:
+        raise UserError(frozen, f"is a .wof weights file, not the model; give the model "
+                                f"{split_name(frozen, '.frozen.circle')} instead")
     model = model_from_bytes(frozen_bytes, frozen)
     training = _record(model, TrainingMeta, frozen)
     _check_indices(frozen, TrainingMeta.NAME, "trainable", training.trainable,
@@ -153,6 +178,10 @@ def _check_shapes(art: Artifacts, backprop: Graph, links: GraphLinks, path: Path
             raise ContractError(path, f"backprop tensor {b} has shape {list(backprop.tensors[b].shape)}"
                                       f" but stands for forward tensor {f} of shape "
                                       f"{list(art.forward.tensors[f].shape)}", where)
+    if list(backprop.tensors[links.loss].shape) != [1]:
+        raise ContractError(path, f"loss tensor {links.loss} has shape "
+                                  f"{list(backprop.tensors[links.loss].shape)}; a loss is one "
+                                  "value, shape [1]", f"{GraphLinks.NAME}: loss")
     if len(links.targets) != len(art.forward.outputs):
         raise ContractError(path, f"{len(links.targets)} targets for a model of "
                                   f"{len(art.forward.outputs)} outputs", f"{GraphLinks.NAME}: targets")

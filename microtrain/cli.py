@@ -4,10 +4,11 @@ import sys
 import click
 
 from . import session
-from .cli_common import (FORCE_OPTION, CommandGroup, defaults_text, embedding_update_option,
+from .cli_common import (FORCE_OPTION, WAIT_OPTION, CommandGroup, defaults_text, embedding_update_option,
                          parameter_options, print_json)
 from .federated.settings import DEFAULTS as FED, STRATEGIES, TRANSMIT, FederatedSettings
 from .files import check_output
+from .lock import locked
 from .loss_scale import ADAPTIVE_DEFAULTS, DYNAMIC_DEFAULTS
 from .metrics import METRICS
 from .schedules import DEFAULTS as SCHEDULE_DEFAULTS, SCHEDULES
@@ -139,11 +140,13 @@ def main():
               help="improved: write the weights only if the test metric (the training metric "
                    "without a test set) is better than with the starting weights.")
 @FORCE_OPTION
+@WAIT_OPTION
 def run(**kw):
     """Train FROZEN with its .wof and backprop graph; write the improved weights back."""
     as_json = kw["as_json"]
-    summary = session.run(**kw, on_epoch=_epoch_printer(as_json),
-                          progress=_progress if sys.stderr.isatty() and not as_json else None)
+    with locked([kw["frozen"], session.check_run_outputs(kw)], kw["wait"]):
+        summary = session.run(**kw, on_epoch=_epoch_printer(as_json),
+                              progress=_progress if sys.stderr.isatty() and not as_json else None)
     if as_json:
         print_json(summary)
     else:
@@ -188,8 +191,8 @@ def _progress(length: int, label: str):
 # own log and saving rule.
 SWEEP_FIXED = ("frozen", "wof", "backprop", "inputs", "input_shapes", "targets", "target_shapes",
                "test_inputs", "test_targets", "validation_split", "metric", "output_wof", "force",
-               "as_json")
-SWEEP_REPLACES = ("checkpoint", "resume", "save")
+               "wait", "as_json")
+SWEEP_REPLACES = ("checkpoint", "resume", "save", "verbose")
 SWEEPABLE = [p for p in run.params
              if isinstance(p, click.Option) and p.name not in SWEEP_FIXED + SWEEP_REPLACES]
 
@@ -239,12 +242,12 @@ def sweep(grid_texts, random_trials, search, trials, halving, seed, jobs, log, *
                         trials=random_trials or trials, seed=seed, jobs=jobs, halving=halving,
                         log=log)
     as_json = fixed.pop("as_json")  # how the sweep prints, not how its trials run
-    job = Sweep(RunOptions(run, [p.name for p in SWEEPABLE]), fixed, grid_texts, settings)
+    with locked([fixed["frozen"], session.check_run_outputs(fixed)], fixed.pop("wait")):
+        job = Sweep(RunOptions(run, [p.name for p in SWEEPABLE]), fixed, grid_texts, settings)
+        summary = job.run(on_trial=print_json) if as_json else _sweep_with_progress(job)
     if as_json:
-        summary = job.run(on_trial=print_json)
         print_json(summary)
     else:
-        summary = _sweep_with_progress(job)
         click.echo(table(summary, [a.key for a in job.axes]))
         click.echo(_sweep_message(summary))
     if summary["best"] is None:
@@ -287,6 +290,7 @@ def plot(logs, output, width, height, as_json):
     metric against each swept option, and the best trials' curves). Needs the optional
     extra [plot] (matplotlib)."""
     from .plot import plot as draw
+    check_output(output, None, reads=[("LOGS", log) for log in logs])
     result = draw(logs, output, width, height)
     if as_json:
         print_json(result)
@@ -381,14 +385,14 @@ def infer(**kw):
               help="Instead of simulating, write a Flower app (pyproject.toml) with these "
                    "settings to this folder, for `flwr run FOLDER SUPERLINK`.")
 @FORCE_OPTION
+@WAIT_OPTION
 def federated(**kw):
     """Federated fine-tuning of FROZEN's trainable weights with Flower: the training
     data is split across --clients simulated devices that train locally each round;
     the server aggregates their weights, evaluates them on the held-out set and writes
     the best to the .wof if they beat the starting weights. Needs the [federated] extra."""
     settings = FederatedSettings.from_options(kw)
-    if settings.output_wof:
-        check_output(settings.output_wof, ("wof",), kw["force"])
+    target = None if kw["write_app"] else session.check_run_outputs(kw)
     try:
         if kw["write_app"]:
             from .federated.deployment import write_app
@@ -402,8 +406,9 @@ def federated(**kw):
         path = write_app(kw["write_app"], settings)
         click.echo(f"wrote {path}; run it with: flwr run {kw['write_app']} SUPERLINK")
         return
-    summary = simulate(settings, on_round=_round_printer(kw["as_json"], settings.rounds),
-                       workers=kw["workers"])
+    with locked([kw["frozen"], target], kw["wait"]):
+        summary = simulate(settings, on_round=_round_printer(kw["as_json"], settings.rounds),
+                           workers=kw["workers"])
     if kw["as_json"]:
         print_json(summary)
     else:

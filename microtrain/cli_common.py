@@ -1,30 +1,131 @@
 """What both command lines share: bad input becomes one `Error: <file>: <problem>`
 line on stderr and exit status 1, never a traceback.  This is the only place an
 error becomes text."""
+import io
 import json
+import os
+import sys
+import warnings
+from contextlib import contextmanager
 
 import click
 
-from .contracts import TrainingParameters
+from .contracts import MAX_INDEX, TrainingParameters
 from .errors import UserError
 from .lazy import DEFAULT_EMBEDDING_UPDATE, EMBEDDING_UPDATES
 from .optimizers import DEFAULTS as OPTIMIZER_DEFAULTS, OPTIMIZERS
 
 
 class CommandGroup(click.Group):
-    """A click group whose commands report UserError, OSError and click's own
-    usage errors (a bad option value) as one line."""
+    """A click group whose commands report UserError, OSError, MemoryError and
+    click's own usage errors (a bad option value) as one line, end quietly when
+    their reader closes stdout (`| head -1`), keep library warnings off stderr
+    unless --verbose, and name an option as the user types it (--learning-rate)."""
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        cmd.params.append(click.Option(
+            ["--verbose"], is_flag=True, expose_value=False, callback=_show_warnings,
+            help="Show the warnings of the libraries used (Ray, Flower, numpy...). Default: "
+                 "hidden."))
+        super().add_command(cmd, name)
+
+    def parse_args(self, ctx, args):
+        for arg in args:  # the OS refuses such a path; click's checks would raise ValueError
+            if "\0" in arg:
+                raise click.ClickException(one_line(f"{arg}: an argument cannot hold a NUL "
+                                                    "character"))
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
+        saved = os.environ.get("PYTHONWARNINGS")
         try:
-            return super().invoke(ctx)
+            with warnings.catch_warnings(), _quiet_when_stdout_closes():
+                return super().invoke(ctx)
         except click.UsageError as e:  # click would print the usage block and a hint too
             raise click.ClickException(one_line(e.format_message())) from None
         except UserError as e:
-            raise click.ClickException(one_line(str(e))) from None
+            raise click.ClickException(one_line(self._text(e))) from None
         except OSError as e:
             where = f"{e.filename}: " if e.filename else ""
             raise click.ClickException(one_line(f"{where}{e.strerror or e}")) from None
+        except MemoryError as e:  # a size no check foresaw: still one line
+            raise click.ClickException(one_line(f"out of memory: {e}")) from None
+        finally:
+            _restore_env("PYTHONWARNINGS", saved)
+
+    def _text(self, e: UserError) -> str:
+        """The error's line, its field given as the option that sets it when the
+        error names no file (`learning_rate` -> `--learning-rate`)."""
+        if e.path is None and e.field:
+            flag = self.option_flags().get(e.field)
+            if flag:
+                return f"{flag}: {e.problem}"
+        return str(e)
+
+    def option_flags(self) -> dict[str, str]:
+        """Parameter name -> its long option, over every command."""
+        return {p.name: max(p.opts, key=len) for cmd in self.commands.values()
+                for p in cmd.params if isinstance(p, click.Option)}
+
+
+def _show_warnings(ctx, param, verbose: bool) -> None:
+    """Hide warnings (here and in the processes a command starts, e.g. Ray's
+    workers) unless --verbose; CommandGroup.invoke restores both afterwards."""
+    if not verbose:
+        warnings.simplefilter("ignore")
+        os.environ["PYTHONWARNINGS"] = "ignore"
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+class _ClosedAware:
+    """sys.stdout that, once its reader has gone (BrokenPipeError), sends the rest
+    of the output nowhere, so the command finishes its work and exits 0."""
+
+    def __init__(self, stream):
+        self._stream, self._closed = stream, False
+
+    def write(self, text):
+        if not self._closed:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._gone()
+        return len(text)
+
+    def flush(self):
+        if not self._closed:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def _gone(self) -> None:
+        self._closed = True
+        try:  # what is still buffered would fail again when Python exits
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def _quiet_when_stdout_closes():
+    stdout = sys.stdout
+    sys.stdout = _ClosedAware(stdout)
+    try:
+        yield
+    finally:
+        sys.stdout = stdout
 
 
 def one_line(message: str) -> str:
@@ -36,6 +137,12 @@ FORCE_OPTION = click.option(
     "--force", is_flag=True,
     help="Write over output files that hold another kind of file (a model, weights, a "
          "checkpoint, an array). Default: refuse, naming the file.")
+
+
+WAIT_OPTION = click.option(
+    "--wait", is_flag=True,
+    help="When another run or split holds these files (microtrain/lock.py), wait until it "
+         "ends. Default: refuse, naming its process.")
 
 
 def print_json(document) -> None:
@@ -94,7 +201,8 @@ def parameter_options(recorded: str, names=("optimizer", "hyperparameters", "bat
         "batch_size": [click.option("--batch-size", type=click.IntRange(1),
                                     help=f"Samples per step{purpose}; a partial last batch is "
                                          "used, not dropped." + default(defaults.batch_size))],
-        "epochs": [click.option("--epochs", type=click.IntRange(1),
+        # at most what circle+ records (an int32, schemas/circle_traininfo.fbs)
+        "epochs": [click.option("--epochs", type=click.IntRange(1, MAX_INDEX),
                                 help="Epochs to train." + default(defaults.epochs))],
     }
 

@@ -116,6 +116,11 @@ def _split_spec(spec: str) -> tuple[Path, str | None]:
     return Path(spec), None
 
 
+def spec_file(spec: str) -> Path:
+    """The file a data spec names ('data.npz:x' -> data.npz)."""
+    return _split_spec(spec)[0]
+
+
 def _load_npz(path: Path, key: str | None) -> np.ndarray:
     with zipfile.ZipFile(path) as archive:
         keys = [n[:-4] for n in archive.namelist() if n.endswith(".npy")]

@@ -15,7 +15,7 @@ from functools import partial
 
 import numpy as np
 
-from .arena import Arena, linear, physical_memory
+from .arena import Arena, linear, memory_limit
 from .artifacts import Artifacts
 from .errors import OperatorError, UserError
 from .graph import BATCH, Graph, batched, concrete_shape
@@ -158,10 +158,11 @@ def _check_affordable(art: Artifacts, plan, batch: int) -> None:
     for name, g in graphs:
         need += sum(math.prod(concrete_shape(t.shape, batch)) * storage(t.dtype).itemsize
                     for t in g.tensors if t.data is None and (name, t.index) not in planned)
-    if need > physical_memory():
+    if need > memory_limit():
         raise UserError(art.frozen_path, f"a step at batch size {batch} needs {need} bytes of "
-                                         f"tensors, more than this machine's {physical_memory()}; "
-                                         "give a smaller --batch-size")
+                                         f"tensors, more than the {memory_limit()} this process "
+                                         "may use; " + ("give a smaller --batch-size" if batch > 1
+                                                        else "its tensor shapes are too large"))
 
 
 def _trained_spans(art: Artifacts) -> dict[int, tuple[int, int]]:

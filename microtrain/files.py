@@ -90,10 +90,19 @@ KIND_NAMES = {"circle": "a circle model", "tflite": "a tflite model", "wof": "a 
               "checkpoint": "a microtrain checkpoint", "other": "data of another kind"}
 
 
-def check_output(path, kinds: tuple[str, ...], force: bool = False) -> Path:
-    """Refuse to write over `path` unless it is absent, empty, or already holds one
-    of `kinds` (or `force`); never write over a folder, FIFO or device."""
+def check_output(path, kinds: tuple[str, ...] | None, force: bool = False, *,
+                 reads: tuple = (), option: str = "-o", make_folder: bool = False) -> Path:
+    """`path`, checked before any work as an output of a command: refuse a file the
+    same command reads (`reads`: (option, path) pairs; the same file however it is
+    reached, links followed), a missing folder (unless `make_folder`: the command
+    creates it), a folder, FIFO or device, and a file of another kind than `kinds`
+    (None: any kind) unless `force`."""
     path = Path(path)
+    for name, read in reads:
+        if _same_file(path, read):
+            raise UserError(path, f"is also an input of this command ({name}); "
+                                  f"give {option} another file")
+    _check_folder(path, make_folder)
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -102,7 +111,7 @@ def check_output(path, kinds: tuple[str, ...], force: bool = False) -> Path:
         raise UserError(path, f"cannot write it: {e.strerror or e}") from None
     if not stat.S_ISREG(mode):
         raise UserError(path, "is a folder or special file; give a file name to write")
-    if force:
+    if force or kinds is None:
         return path
     try:
         found = kind_of(path)
@@ -112,6 +121,27 @@ def check_output(path, kinds: tuple[str, ...], force: bool = False) -> Path:
         raise UserError(path, f"holds {KIND_NAMES[found]}; refusing to replace it with "
                               f"{KIND_NAMES[kinds[0]]} (give --force to overwrite it)")
     return path
+
+
+def _same_file(a, b) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # either is missing: nothing read is overwritten
+        return False
+
+
+def _check_folder(path: Path, make_folder: bool) -> None:
+    """The folder `path` is written in exists (or, with `make_folder`, its nearest
+    existing ancestor) and is a writable folder."""
+    folder = path.parent
+    while make_folder and not os.path.lexists(folder) and folder != folder.parent:
+        folder = folder.parent
+    if not os.path.lexists(folder):
+        raise UserError(path, f"cannot write it: no folder {path.parent}")
+    if not folder.is_dir():
+        raise UserError(path, f"cannot write it: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(path, f"cannot write it: the folder {folder} is not writable")
 
 
 # -- .npy arrays, checked before anything is allocated --------------------------------------------

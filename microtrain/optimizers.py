@@ -44,14 +44,14 @@ _FLAGS = {"nesterov", "amsgrad", "centered"}
 def _check(name, value):
     if name in _FLAGS:
         if not isinstance(value, bool):
-            raise UserError(None, f"{name} must be true or false, got {value!r}")
+            raise UserError(None, f"must be true or false, got {value!r}", name)
         return
     if name == "weight_decay" and value is None:   # Keras's "no decay"
         return
     ok, what = _VALID[name]
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not (number and math.isfinite(value) and ok(value)):
-        raise UserError(None, f"{name} must be {what}, got {value!r}")
+        raise UserError(None, f"must be {what}, got {value!r}", name)
 
 
 def _moving_average(avg, x, rate, tmp):

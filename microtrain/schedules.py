@@ -59,9 +59,9 @@ _STEP_COUNTS = {"decay_steps", "warmup_steps"}
 def _check(name: str, value) -> None:
     if name in _STEP_COUNTS:
         if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-            raise UserError(None, f"{name} must be a whole number > 0, got {value!r}")
+            raise UserError(None, f"must be a whole number > 0, got {value!r}", name)
     elif not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise UserError(None, f"{name} must be a number >= 0, got {value!r}")
+        raise UserError(None, f"must be a number >= 0, got {value!r}", name)
 
 
 def make_schedule(name: str, base_lr: float, **params) -> Schedule:

@@ -9,7 +9,8 @@ from .atomic import atomic_write
 from .artifacts import sha256
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .contracts import LossScaleState, RunState
-from .data import load_array, validation_split
+from .artifacts import sibling
+from .data import load_array, spec_file, validation_split
 from .errors import UserError
 from .files import check_output
 from .lazy import DEFAULT_EMBEDDING_UPDATE
@@ -151,12 +152,36 @@ def prepare(kw) -> tuple[Trainer, list, list, tuple | None]:
     return trainer, xs, ts, test
 
 
+def reads(kw) -> list[tuple[str, Path]]:
+    """(option, file) of every file a command given `kw` reads (for check_output)."""
+    frozen = Path(kw["frozen"])
+    files = [("FROZEN", frozen), ("--wof", kw.get("wof") or sibling(frozen, ".wof")),
+             ("--backprop", kw.get("backprop") or sibling(frozen, ".backprop.circle"))]
+    for option, key in (("--input", "inputs"), ("--target", "targets"),
+                        ("--test-input", "test_inputs"), ("--test-target", "test_targets")):
+        files += [(option, spec_file(spec)) for spec in kw.get(key) or ()]
+    return files
+
+
+def check_run_outputs(kw) -> Path:
+    """Check every file a `run` (or a sweep, or a federated run) writes before any
+    work: the weights (the .wof it reads unless --output-wof; writing over that is
+    the point) and the checkpoint; returns the weights' path."""
+    force = kw.get("force", False)
+    others = [(option, path) for option, path in reads(kw) if option != "--wof"]
+    target = kw.get("output_wof") or kw.get("wof") or sibling(Path(kw["frozen"]), ".wof")
+    # the default target is the .wof read: a FROZEN that is that file is for the loader to name
+    check_output(target, ("wof",), force, reads=others if kw.get("output_wof") else (),
+                 option="--output-wof")
+    if kw.get("checkpoint") and not kw.get("resume"):
+        check_output(kw["checkpoint"], ("checkpoint",), force, reads=reads(kw),
+                     option="--checkpoint")
+    return Path(target)
+
+
 def run(on_epoch=None, progress=None, **kw) -> dict:
     """Train as `microtrain run`; returns the summary."""
-    if kw.get("output_wof"):
-        check_output(kw["output_wof"], ("wof",), kw.get("force", False))
-    if kw.get("checkpoint") and not kw.get("resume"):
-        check_output(kw["checkpoint"], ("checkpoint",), kw.get("force", False))
+    check_run_outputs(kw)
     trainer, xs, ts, test = prepare(kw)
     judge = test or (xs, ts)
     run_state = RunState(baseline={}, batch_size=trainer.batch_size,
@@ -219,7 +244,7 @@ def infer(**kw) -> dict:
     out = Path(kw["output"])
     if out.suffix not in (".npy", ".npz"):
         raise UserError(out, "the output must end in .npy (one output) or .npz (several)")
-    check_output(out, (out.suffix[1:],), kw.get("force", False))
+    check_output(out, (out.suffix[1:],), kw.get("force", False), reads=reads(kw))
     trainer = make_trainer(kw, with_backprop=False)
     xs, _ = trainer.check_data(load_data(kw["inputs"], kw.get("input_shapes", ()),
                                          trainer.data_types()[0]),

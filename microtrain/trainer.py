@@ -201,6 +201,9 @@ class Trainer:
                           self.art.training.vocab[t])
         ts = [] if targets is None else self._expect(targets, plan.targets, "target", names[1])
         if ts and len(ts[0]) != len(xs[0]):
+            if names[0] and names[1]:
+                raise UserError(names[1][0], f"holds {len(ts[0])} samples but the input "
+                                             f"{names[0][0]} holds {len(xs[0])}")
             raise UserError(None, f"{len(xs[0])} input samples but {len(ts[0])} target samples")
         return xs, ts
 
@@ -349,9 +352,10 @@ class Trainer:
             except Diverged as e:
                 if not np.all(np.isfinite(self.memory.params)):
                     self.memory.params[...] = self._snapshot
-                raise TrainingDiverged(None, f"training diverged in epoch {self.epoch + 1}: the "
-                                             f"loss became {e.args[0]}; kept the last finite "
-                                             "weights") from None
+                raise TrainingDiverged(self.art.frozen_path,
+                                       f"training diverged in epoch {self.epoch + 1}: the loss "
+                                       f"became {e.args[0]}; kept the last finite weights (a "
+                                       "smaller --learning-rate may help)") from None
             if test_data:
                 result = self.evaluate(*test_data, checked=True)
                 record.update({f"test_{k}": v for k, v in result.items() if k != "samples"})

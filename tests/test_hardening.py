@@ -51,17 +51,23 @@ def _run(frozen, *extra):
 
 # -- outputs of another kind -------------------------------------------------------------------
 
-def test_a_checkpoint_path_holding_weights_is_refused(mlp):
-    before = mlp.wof.read_bytes()
-    line = _one_error(microtrain, _run(mlp.frozen, "--checkpoint", mlp.wof))
-    assert line == (f"Error: {mlp.wof}: holds a .wof weights file; refusing to replace it with a "
+def test_a_checkpoint_path_holding_weights_is_refused(mlp, tmp_path):
+    weights = tmp_path / "other.wof"
+    shutil.copy(mlp.wof, weights)
+    line = _one_error(microtrain, _run(mlp.frozen, "--checkpoint", weights))
+    assert line == (f"Error: {weights}: holds a .wof weights file; refusing to replace it with a "
                     "microtrain checkpoint (give --force to overwrite it)")
-    assert mlp.wof.read_bytes() == before
+    assert weights.read_bytes() == mlp.wof.read_bytes()
+    line = _one_error(microtrain, _run(mlp.frozen, "--checkpoint", mlp.wof, "--force"))
+    assert line == (f"Error: {mlp.wof}: is also an input of this command (--wof); "
+                    "give --checkpoint another file")
 
 
 def test_outputs_over_files_of_another_kind_are_refused_unless_forced(mlp, tmp_path):
     frozen_bytes = mlp.frozen.read_bytes()
-    line = _one_error(microtrain, _run(mlp.frozen, "--output-wof", mlp.frozen))
+    model_copy = tmp_path / "copy.circle"
+    shutil.copy(mlp.frozen, model_copy)
+    line = _one_error(microtrain, _run(mlp.frozen, "--output-wof", model_copy))
     assert "holds a circle model; refusing to replace it with a .wof weights file" in line
     line = _one_error(microtrain, ["infer", mlp.frozen, "--input", X, "-o", mlp.wof])
     assert "the output must end in .npy (one output) or .npz (several)" in line
@@ -69,7 +75,7 @@ def test_outputs_over_files_of_another_kind_are_refused_unless_forced(mlp, tmp_p
     shutil.copy(mlp.wof, wof_as_npy)
     line = _one_error(microtrain, ["infer", mlp.frozen, "--input", X, "-o", wof_as_npy])
     assert "holds a .wof weights file; refusing to replace it with a .npy array" in line
-    assert mlp.frozen.read_bytes() == frozen_bytes
+    assert model_copy.read_bytes() == frozen_bytes
     _ok(microtrain, ["infer", mlp.frozen, "--input", X, "-o", wof_as_npy, "--force"])
     assert np.load(wof_as_npy).shape == (1797, 10)
 
@@ -83,9 +89,13 @@ def test_infer_writes_only_npy_or_npz(mlp, tmp_path):
 def test_import_does_not_write_over_the_tflite_model(tmp_path):
     model = tmp_path / "m.tflite"
     shutil.copy(FIXTURES / "mlp.tflite", model)
-    line = _one_error(trainconf, ["import", model, "-o", model])
+    line = _one_error(trainconf, ["import", model, "-o", model, "--force"])
+    assert line.endswith("m.tflite: is also an input of this command (MODEL); give -o another file")
+    other = tmp_path / "other.circle"
+    shutil.copy(model, other)
+    line = _one_error(trainconf, ["import", model, "-o", other])
     assert "holds a tflite model; refusing to replace it with a circle model" in line
-    assert model.read_bytes() == (FIXTURES / "mlp.tflite").read_bytes()
+    assert model.read_bytes() == other.read_bytes() == (FIXTURES / "mlp.tflite").read_bytes()
 
 
 def test_split_does_not_write_over_files_of_another_kind(tmp_path):

@@ -49,9 +49,9 @@ def test_defaults_fill_missing_parameters():
     ("exp", {}, r"unknown learning-rate schedule 'exp' \(choose from constant, step"),
     ("constant", dict(decay_steps=5), r"schedule constant has no parameter decay_steps"),
     ("cosine", dict(warmup_steps=5), r"\(it takes decay_steps, alpha\)"),
-    ("step", dict(decay_steps=0), "decay_steps must be a whole number > 0, got 0"),
-    ("step", dict(decay_steps=2.5), "decay_steps must be a whole number > 0"),
-    ("cosine", dict(alpha=-0.1), "alpha must be a number >= 0"),
+    ("step", dict(decay_steps=0), "decay_steps: must be a whole number > 0, got 0"),
+    ("step", dict(decay_steps=2.5), "decay_steps: must be a whole number > 0"),
+    ("cosine", dict(alpha=-0.1), "alpha: must be a number >= 0"),
 ])
 def test_bad_requests_are_user_errors(name, params, message):
     with pytest.raises(UserError, match=message):

@@ -4,10 +4,11 @@ from pathlib import Path
 
 import click
 
-from microtrain.cli_common import (FORCE_OPTION, CommandGroup, embedding_update_option,
+from microtrain.cli_common import (FORCE_OPTION, WAIT_OPTION, CommandGroup, embedding_update_option,
                                    parameter_options, print_json)
 from microtrain.files import check_output
 from microtrain.format.model import load_model
+from microtrain.lock import locked
 
 from .backprop import LOSSES, REDUCTIONS
 from .circle_plus import METADATA as CIRCLE_PLUS
@@ -16,7 +17,7 @@ from .importer import import_tflite
 from .inspect import describe, planned_memory, render_text
 from .memory import peak_text
 from .lora import LoraSpec
-from .split import DEFAULT_REDUCTION, DEFAULT_TRAINABLE, PRECISIONS, split
+from .split import DEFAULT_REDUCTION, DEFAULT_TRAINABLE, PRECISIONS, output_paths, split
 
 MODEL = click.Path(dir_okay=False, path_type=Path)
 
@@ -35,7 +36,8 @@ def main():
 @FORCE_OPTION
 def import_command(model: Path, output: Path | None, force: bool):
     """Convert MODEL.tflite to a .circle model (same graph, weights and signatures)."""
-    output = check_output(output or model.with_suffix(".circle"), ("circle",), force)
+    output = check_output(output or model.with_suffix(".circle"), ("circle",), force,
+                          reads=(("MODEL", model),))
     import_tflite(model, output)
     click.echo(f"wrote {output}")
 
@@ -146,14 +148,18 @@ def parameters_text(report: dict) -> str:
                   ["optimizer", "hyperparameters", "batch_size", "epochs"],
                   " (recorded for microtrain run; also the memory estimate's)")
 @FORCE_OPTION
+@WAIT_OPTION
 @JSON_OPTION
-def split_command(model: Path, outdir: Path | None, as_json: bool, lora_rank: int | None,
-                  lora_alpha: float | None, lora_targets: str, seed: int, **options):
+def split_command(model: Path, outdir: Path | None, as_json: bool, wait: bool,
+                  lora_rank: int | None, lora_alpha: float | None, lora_targets: str, seed: int,
+                  **options):
     """Write STEM.frozen.circle (the forward graph, trainable weights cut out),
     STEM.wof (those weights) and STEM.backprop.circle (the gradient graph) for
     MODEL (.circle or .tflite)."""
     lora = None if lora_rank is None else LoraSpec(lora_rank, lora_alpha, lora_targets, seed)
-    summary = split(model, outdir, lora=lora, **options).summary()
+    frozen, wof, _ = output_paths(model, outdir)
+    with locked([frozen, wof], wait):  # as a run of the set locks them
+        summary = split(model, outdir, lora=lora, **options).summary()
     if as_json:
         print_json(summary)
         return

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import tflite
 
-from microtrain.artifacts import TRAINING_META, load_artifacts
+from microtrain.artifacts import TRAINING_META, load_artifacts, sibling
 from microtrain.contracts import Adapters
 from microtrain.atomic import atomic_write
 from microtrain.files import check_output
@@ -71,7 +71,8 @@ def export(frozen, output, wof=None, weights: str = "fp32", traininfo: bool = Fa
     identifier = IDENTIFIERS.get(output.suffix)
     if identifier is None:
         raise UserError(output, "the output must end in .circle or .tflite")
-    check_output(output, (output.suffix[1:],), force)
+    check_output(output, (output.suffix[1:],), force,
+                 reads=(("FROZEN", frozen), ("--wof", wof or sibling(frozen, ".wof"))))
     if lora not in LORA_EXPORTS:
         raise UserError(None, f"unknown --lora {lora!r} (choose {' or '.join(LORA_EXPORTS)})")
     if weights not in WEIGHT_TYPES:

@@ -20,9 +20,10 @@ from math import prod
 
 import numpy as np
 
-from microtrain.arena import START_ALIGN, held_bytes, linear
+from microtrain.arena import START_ALIGN, held_bytes, linear, memory_limit
 from microtrain.artifacts import Artifacts
 from microtrain.contracts import GraphLinks, MemoryPlan
+from microtrain.errors import UserError
 from microtrain.executor import Hooks, Memory, _trained_spans, compile_plan, precision
 from microtrain.precision import dtype_of, reduced
 from microtrain.precision import storage as runtime_dtype
@@ -182,6 +183,11 @@ def pack(region: list[Need]) -> tuple[dict[int, int], int]:
 def plan_memory(fwd: Graph, bp: Graph, links: GraphLinks, trainable: list[int]) -> MemoryPlan:
     """The arena layout (schemas/memory.md); `kernel_scratch` is added by `measure_scratch`."""
     all_needs = needs(fwd, bp, links, trainable)
+    total = sum(n.size for n in all_needs)  # bounds every offset pack gives (int64 in numpy)
+    if total > memory_limit():
+        raise UserError(None, f"the tensors of a training step need up to {total} bytes (per "
+                              f"sample where batched), more than the {memory_limit()} this "
+                              "process may use: its tensor shapes are too large")
     fixed = [n for n in all_needs if not n.batch]
     batch = [n for n in all_needs if n.batch]
     fixed_at, fixed_size = pack(fixed)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from microtrain.artifacts import UNSEALED, Artifacts, fingerprint, seal
+from microtrain.artifacts import UNSEALED, Artifacts, fingerprint, load_artifacts, seal
 from microtrain.atomic import PENDING, atomic_write_set
 from microtrain.lazy import DEFAULT_EMBEDDING_UPDATE
 from microtrain.contracts import GraphLinks, Precision, TrainingMeta, TrainingParameters
@@ -208,7 +208,7 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
     model_path = Path(model_path)
     frozen, wof, backprop = output_paths(model_path, out_dir)
     for path, kind in ((frozen, "circle"), (wof, "wof"), (backprop, "circle")):
-        check_output(path, (kind,), force)
+        check_output(path, (kind,), force, reads=(("MODEL", model_path),), make_folder=True)
     try:
         types = resolve_precision(precision, weight_dtype, activation_dtype, grad_dtype)
         setup = training_setup(model_path, trainable, loss, reduction,
@@ -232,6 +232,8 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
             graph = load_prepared(model_path, types)[1]
             built, budget = fit_budget(make, graph, parse_size(memory_budget), params.batch_size,
                                        params.optimizer, accum_steps, embedding_update)
+        if not force:
+            check_weights_kept(built, model_path, out_dir)
         return write(built, model_path, out_dir, setup, budget, accum_steps, embedding_update)
     except UserError as e:
         raise e.at(model_path) from None
@@ -374,6 +376,28 @@ def slice_rows(bp: Backprop, g: Graph, rows: dict, grad_dtype) -> None:
         b.tensors[grad].shape = (hi - lo,) + b.tensors[grad].shape[1:]
     for i, op in enumerate(b.ops):
         op.index = i
+
+
+def check_weights_kept(built: Built, model_path: Path, out_dir) -> None:
+    """Refuse to replace a STEM.wof whose weights are not the model's (trained since
+    the split that wrote it), or that cannot be read with its frozen model and
+    is not the .wof this split writes."""
+    frozen_path, wof_path, _ = output_paths(model_path, out_dir)
+    if not wof_path.is_file() or wof_path.stat().st_size == 0:
+        return
+    if wof_path.read_bytes() == built.wof:
+        return
+    model = {t.name: built.art.weights.get(t.index, t.data) for t in built.art.forward.tensors}
+    try:
+        old = load_artifacts(frozen_path, wof_path, with_backprop=False)
+        held = {old.forward.tensors[t].name: w for t, w in old.weights.items()}
+    except UserError:  # another set, torn or damaged: its weights cannot be told apart
+        held = {None: None}
+    if not all(model.get(name) is not None and np.array_equal(model[name], w)
+               for name, w in held.items()):
+        raise UserError(wof_path, f"holds weights that differ from {model_path.name}'s (trained "
+                                  "by microtrain run?); give --force to replace them, or -o "
+                                  "another folder")
 
 
 def write(built: Built, model_path: Path, out_dir, setup: Setup, budget: dict | None,

@@ -8,6 +8,7 @@ After loading, `OperatorCodeT.builtinCode` is the operator's code for every
 entry (the file's rule, "builtin_code only when deprecated_builtin_code is
 127", is applied once here), and saving derives deprecated_builtin_code from it.
 """
+import math
 import re
 import struct
 
@@ -312,7 +313,7 @@ def buffer_array(model: circle.ModelT, tensor: circle.TensorT) -> np.ndarray | N
     if data is None or len(data) == 0:
         return None
     dtype, shape = tensor_dtype(tensor), int_list(tensor.shape)
-    need = int(np.prod(shape)) * dtype.itemsize
+    need = math.prod(shape) * dtype.itemsize
     if len(data) != need:
         raise UserError(None, f"tensor '{tensor.name}': buffer {tensor.buffer} holds "
                               f"{len(data)} bytes, shape {shape} of {dtype.name} needs {need}")

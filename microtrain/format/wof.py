@@ -127,6 +127,8 @@ def _span_end(data, tensors, index: int, offset: int, path) -> int:
     shape = int_list(t.shape)
     if any(d < 0 for d in shape):
         raise UserError(path, f"{what}: the model gives it shape {shape}, with a dimension < 0")
+    if 0 in shape:  # nothing to train, and numpy refuses such a shape when its other dims are huge
+        raise UserError(path, f"{what}: the model gives it shape {shape}, with no elements")
     dtype = tensor_dtype(t)
     size = math.prod(shape) * dtype.itemsize
     if offset + size > len(data):
