@@ -352,6 +352,6 @@ def test_an_argument_holding_a_nul_is_one_line(mlp, tmp_path):
 def test_shapes_whose_plan_overflows_int64_are_one_line(tmp_path):
     # cnn.tflite with one tensor's shape corrupted (fuzz seed 8, case 208)
     model = tmp_path / "cnn.tflite"
-    shutil.copy(FIXTURES / "fuzz_planning_overflow.tflite", model)
+    shutil.copy(FIXTURES / "fuzz" / "planning_overflow.tflite", model)
     line = _one_error(trainconf, ["split", model, "-o", tmp_path / "split"])
     assert line.startswith(f"Error: {model}: the tensors of a training step need up to ")
