@@ -41,7 +41,7 @@ def _one_error(cli, args) -> str:
 
 def _ok(cli, args):
     result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 0, result.output + result.stderr
     return result
 
 

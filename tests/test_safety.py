@@ -21,30 +21,12 @@ from click.testing import CliRunner
 from microtrain.cli import main as microtrain
 from microtrain.format.model import get_metadata, model_from_bytes, model_to_bytes
 from model_patch import FIXTURES
+from test_hardening import _ok, _one_error, mlp  # noqa: F401  (mlp: a fixture)
 from trainconf.cli import main as trainconf
 from trainconf.split import split
 
 X, T = FIXTURES / "digits_x.npy", FIXTURES / "digits_onehot.npy"
 ROOT = Path(__file__).parent.parent
-
-
-@pytest.fixture
-def mlp(tmp_path):
-    return split(FIXTURES / "mlp.tflite", tmp_path)
-
-
-def _one_error(cli, args) -> str:
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    return lines[0]
-
-
-def _ok(cli, args):
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exit_code == 0, result.output + result.stderr
-    return result
 
 
 def _run(frozen, *extra):
