@@ -42,6 +42,14 @@ class Graph:
     def producers(self) -> dict[int, Op]:
         return {t: op for op in self.ops for t in op.outputs}
 
+    def readers(self) -> dict[int, list[Op]]:
+        """Tensor -> the operators that read it, in execution order."""
+        found: dict[int, list[Op]] = {}
+        for op in self.ops:
+            for t in op.inputs:
+                found.setdefault(t, []).append(op)
+        return found
+
 
 def _ints(values) -> tuple[int, ...]:
     return () if values is None else tuple(int(v) for v in values)

@@ -142,7 +142,7 @@ def resolve_constants(model, path=None) -> None:
         if _is_constant(model, tensor) and (is_quantized(tensor) or tensor.sparsity):
             # read directly by a float operator (dynamic-range quantization)
             _set_float(model, t, dequantized(_plain_value(model, tensor), tensor))
-    _drop_unread(model, sources)
+    drop_unread(model, sources)
 
 
 def _plain_value(model, tensor) -> np.ndarray:
@@ -155,7 +155,7 @@ def _set_float(model, t: int, value: np.ndarray) -> None:
     set_constant(model, t, value.astype(np.float32))
 
 
-def _drop_unread(model, tensors: set[int]) -> None:
+def drop_unread(model, tensors: set[int]) -> None:
     """Free the buffers of the stored forms no operator reads any more."""
     sg = model.subgraphs[0]
     read = {t for op in sg.operators for t in int_list(op.inputs)} | set(int_list(sg.outputs))
@@ -195,7 +195,7 @@ def untie_weights(model) -> int:
                 shared.add(t)
                 copies += 1
         op.inputs = inputs
-    _drop_unread(model, shared)
+    drop_unread(model, shared)
     return copies
 
 

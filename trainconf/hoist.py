@@ -14,7 +14,6 @@ rows of the same product, whose gradient is one product and one concatenation
 from microtrain.graph import Graph, Op, graph_of
 
 from .recurrent import _Builder
-from .sequence_reads import _readers
 
 
 def hoist_input_projections(model) -> int:
@@ -28,7 +27,7 @@ def hoist_input_projections(model) -> int:
     sg = model.subgraphs[0]
     replaced: dict[int, list] = {}  # first gather of a group -> the operators in its place
     dropped: set[int] = set()
-    readers = _readers(g)
+    readers = g.readers()
     for (x, w, bias), steps in groups.items():
         first = min(gather.index for _, gather, _ in steps)
         b = _Builder(model, g, steps[0][2], written)
@@ -90,7 +89,7 @@ def _bias_sums(g: Graph, readers: dict, steps: list) -> list[tuple[Op, Op]] | No
 def _step_projections(g: Graph) -> dict[tuple, list[tuple[int, Op, Op]]]:
     """(sequence, weight, bias) -> [(t, GATHER, FULLY_CONNECTED)] of the steps whose
     only reader is a plain FULLY_CONNECTED by that weight (see above)."""
-    readers = _readers(g)
+    readers = g.readers()
     outputs = set(g.outputs)
     groups: dict[tuple, list] = {}
     for op in g.ops:

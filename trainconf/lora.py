@@ -23,7 +23,7 @@ from microtrain.errors import UserError
 from microtrain.format.model import get_metadata, set_metadata
 from microtrain.graph import Graph, Op, graph_of
 
-from .portable import _Editor
+from .portable import Editor
 from .select import select_trainable
 from .writer import set_constant
 
@@ -107,7 +107,7 @@ def add_adapters(model, g: Graph, lora: LoraSpec, batch: int) -> tuple[Graph, li
         raise UserError(None, f"--lora {lora.rank}: the rank must be at least 1", "--lora")
     targets = {op.index: op for op in adaptable(g, lora.targets)}
     rng = np.random.default_rng(lora.seed)
-    edit = _Editor(model, g, batch)
+    edit = Editor(model, g, batch)
     records = []
     for op, original in zip(list(g.ops), model.subgraphs[0].operators):
         edit.ops.append(original)
@@ -120,7 +120,7 @@ def add_adapters(model, g: Graph, lora: LoraSpec, batch: int) -> tuple[Graph, li
     return graph_of(model), [t for r in records for t in (r.a, r.b)]
 
 
-def _adapt(edit: _Editor, op: Op, original, lora: LoraSpec, rng) -> Adapter:
+def _adapt(edit: Editor, op: Op, original, lora: LoraSpec, rng) -> Adapter:
     """Append op's adapter after it: op writes a new base tensor, the sum its output."""
     g, w, y = edit.g, _constant_weight(edit.g, op), op.outputs[0]
     name, out_shape = g.tensors[y].name, edit.shape(y)
@@ -138,7 +138,7 @@ def _adapt(edit: _Editor, op: Op, original, lora: LoraSpec, rng) -> Adapter:
     return Adapter(op=op.type, weight=w, a=a, b=b, base=base, output=y)
 
 
-def _low_rank(edit: _Editor, op: Op, a: int, b: int, r: int, name: str, out_shape) -> int:
+def _low_rank(edit: Editor, op: Op, a: int, b: int, r: int, name: str, out_shape) -> int:
     """B(A(x)) for op's input x, as operators of op's kind."""
     low = out_shape[:-1] + (r,)
     if op.type == "CONV_2D":

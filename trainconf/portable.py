@@ -28,14 +28,14 @@ from microtrain.graph import BATCH, Graph, Op, Tensor, batched, graph_of
 
 from .batch import BROADCASTING, broadcast
 from .operators import OPERATORS, spec
-from .writer import _operator, _tensor, set_constant
+from .writer import circle_operator, circle_tensor, set_constant
 
 
 def make_portable(model, batch: int) -> None:
     """Rewrite the first subgraph's operators as above (in place); `batch` is the
     model's batch: BATCH (dynamic) or 1."""
     g = graph_of(model)
-    edit = _Editor(model, g, batch)
+    edit = Editor(model, g, batch)
     for op, original in zip(g.ops, model.subgraphs[0].operators):
         op.inputs = [edit.renamed.get(t, t) for t in op.inputs]
         original.inputs = op.inputs
@@ -45,7 +45,7 @@ def make_portable(model, batch: int) -> None:
     model.subgraphs[0].operators = edit.ops
 
 
-class _Editor:
+class Editor:
     """Collects the new operator list, adding tensors to the model as it goes."""
 
     def __init__(self, model, g: Graph, batch: int):
@@ -64,7 +64,7 @@ class _Editor:
         sg = self.model.subgraphs[0]
         tensor = Tensor(len(sg.tensors), name, tuple(shape), np.dtype(dtype), data)
         self.g.tensors.append(tensor)
-        sg.tensors.append(_tensor(self.model, tensor))
+        sg.tensors.append(circle_tensor(self.model, tensor))
         return tensor.index
 
     def const(self, name: str, value) -> int:
@@ -72,7 +72,7 @@ class _Editor:
         return self.tensor(name, value.shape, value.dtype, value)
 
     def op(self, type_: str, inputs, output: int, **options) -> int:
-        self.ops.append(_operator(self.model, Op(0, type_, list(inputs), [output], options)))
+        self.ops.append(circle_operator(self.model, Op(0, type_, list(inputs), [output], options)))
         return output
 
     def new(self, type_: str, inputs, name: str, shape, dtype, **options) -> int:
@@ -92,7 +92,7 @@ class _Editor:
         return self.rows
 
 
-def _fully_connected(edit: _Editor, op: Op, original) -> bool:
+def _fully_connected(edit: Editor, op: Op, original) -> bool:
     x, y = op.inputs[0], op.outputs[0]
     if not op.options.get("keep_num_dims") or len(edit.shape(x)) <= 2:
         return False
@@ -109,13 +109,13 @@ def _fully_connected(edit: _Editor, op: Op, original) -> bool:
     return True
 
 
-def _embedding_lookup(edit: _Editor, op: Op, original) -> bool:
+def _embedding_lookup(edit: Editor, op: Op, original) -> bool:
     ids, table = op.inputs
     edit.op("GATHER", [table, ids], op.outputs[0], axis=0, batch_dims=0)
     return True
 
 
-def _select(edit: _Editor, op: Op, original) -> bool:
+def _select(edit: Editor, op: Op, original) -> bool:
     c, a, b = op.inputs
     y = op.outputs[0]
     dtype = edit.g.tensors[y].dtype
@@ -132,7 +132,7 @@ def _select(edit: _Editor, op: Op, original) -> bool:
     return True
 
 
-def _implied_broadcast(edit: _Editor, op: Op) -> bool:
+def _implied_broadcast(edit: Editor, op: Op) -> bool:
     """Whether every reader of op's output broadcasts it to its shape anyway."""
     y = op.outputs[0]
     readers = edit.readers.get(y, [])
@@ -146,7 +146,7 @@ def _implied_broadcast(edit: _Editor, op: Op) -> bool:
     return True
 
 
-def _shape_operand(edit: _Editor, op: Op, original) -> bool:
+def _shape_operand(edit: Editor, op: Op, original) -> bool:
     if op.type == "BROADCAST_TO" and _implied_broadcast(edit, op):
         edit.renamed[op.outputs[0]] = op.inputs[0]
         return True

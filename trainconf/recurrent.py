@@ -32,10 +32,10 @@ from microtrain.format import circle_generated as circle
 from microtrain.format.model import enum_names, int_list
 from microtrain.graph import Graph, Op, Tensor, graph_of
 
-from .constants import _drop_unread
+from .constants import drop_unread
 from .gradients import FUSED_NAMES
 from .operators import spec
-from .writer import _operator, _tensor
+from .writer import circle_operator, circle_tensor
 
 FLOAT32 = np.dtype(np.float32)
 LSTM_GATES = "ifco"
@@ -62,7 +62,7 @@ def lower_recurrent(model) -> int:
         LOWERINGS[op.type](b, op)
         operators.extend(b.ops)
     sg.operators = operators
-    _drop_unread(model, {t for op in fused for t in op.inputs if t >= 0})
+    drop_unread(model, {t for op in fused for t in op.inputs if t >= 0})
     read_steps_directly(model)
     return len(fused)
 
@@ -124,7 +124,7 @@ class _Builder:
     def _add(self, name: str, shape, data=None) -> int:
         sg = self.model.subgraphs[0]
         dtype = FLOAT32 if data is None else data.dtype
-        sg.tensors.append(_tensor(self.model, Tensor(len(sg.tensors), f"{self.prefix}/{name}",
+        sg.tensors.append(circle_tensor(self.model, Tensor(len(sg.tensors), f"{self.prefix}/{name}",
                                                      tuple(shape), dtype, data)))
         self.shapes[len(sg.tensors) - 1] = tuple(shape)
         return len(sg.tensors) - 1
@@ -138,7 +138,7 @@ class _Builder:
     def op_many(self, type_: str, inputs, shapes, names, outputs=None, **options) -> list[int]:
         """One operator; its outputs are new tensors, or the given `outputs`."""
         outs = outputs or [self._add(n, s) for n, s in zip(names, shapes)]
-        self.ops.append(_operator(self.model, Op(0, type_, list(inputs), outs, options)))
+        self.ops.append(circle_operator(self.model, Op(0, type_, list(inputs), outs, options)))
         return outs
 
     def op(self, type_: str, inputs, shape, name: str, output=None, **options) -> int:

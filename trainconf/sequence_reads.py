@@ -27,7 +27,7 @@ def read_sequences_batch_major(model) -> int:
     """Rewrite the time-major reads of a batch-1 model's sequences (see above) in
     place; returns the number of operators it bypassed and removed."""
     g = graph_of(model)
-    readers = _readers(g)
+    readers = g.readers()
     bypassed: set[int] = set()  # operators left unread when their readers are rewritten
     for op in g.ops:
         if op.type == "RESHAPE" and _swaps_unit_axis(g, op):
@@ -40,14 +40,6 @@ def read_sequences_batch_major(model) -> int:
             bypassed.add(op.index)
     _drop_unread(model, bypassed)
     return len(bypassed)
-
-
-def _readers(g: Graph) -> dict[int, list[Op]]:
-    readers: dict[int, list[Op]] = {}
-    for op in g.ops:
-        for t in op.inputs:
-            readers.setdefault(t, []).append(op)
-    return readers
 
 
 def _swaps_unit_axis(g: Graph, op: Op) -> bool:

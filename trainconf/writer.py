@@ -53,7 +53,7 @@ def set_constant(model, t: int, value: np.ndarray) -> None:
     tensor.shapeSignature = None
 
 
-def _tensor(model, t) -> "circle.TensorT":
+def circle_tensor(model, t) -> "circle.TensorT":
     out = circle.TensorT()
     out.name = t.name
     out.type = tensor_type(t.dtype)
@@ -63,7 +63,7 @@ def _tensor(model, t) -> "circle.TensorT":
     return out
 
 
-def _operator(model, op) -> "circle.OperatorT":
+def circle_operator(model, op) -> "circle.OperatorT":
     out = circle.OperatorT()
     out.opcodeIndex = add_operator_code(model, op.type, op.version)
     out.inputs, out.outputs = list(op.inputs), list(op.outputs)
@@ -82,8 +82,8 @@ def graph_to_model(g: Graph, description: str, metadata: dict[str, bytes]):
     model.operatorCodes, model.buffers = [], [circle.BufferT()]  # buffer 0: the empty buffer
     sg = circle.SubGraphT()
     sg.name = "backprop"
-    sg.tensors = [_tensor(model, t) for t in g.tensors]
-    sg.operators = [_operator(model, op) for op in g.ops]
+    sg.tensors = [circle_tensor(model, t) for t in g.tensors]
+    sg.operators = [circle_operator(model, op) for op in g.ops]
     sg.inputs, sg.outputs = list(g.inputs), list(g.outputs)
     model.subgraphs = [sg]
     for name, data in metadata.items():
