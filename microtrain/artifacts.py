@@ -11,7 +11,7 @@ from .errors import ContractError, UserError
 from .files import map_regular
 from .format.model import get_metadata, model_from_bytes
 from .format.wof import MAGIC, VERSION, layout, wof_from_bytes
-from .graph import BATCH, Graph, check_dataflow, graph_of, symbolic_batch
+from .graph import BATCH, Graph, Tensor, check_dataflow, graph_of, symbolic_batch
 
 try:  # CPython's own SHA-256: hashlib would load OpenSSL (~4 MB resident) just for this
     from _sha2 import sha256  # Python 3.12+
@@ -217,14 +217,16 @@ def _attach_backprop(art: Artifacts, path: Path) -> None:
 
 
 def _check_shapes(art: Artifacts, backprop: Graph, links: GraphLinks, path: Path) -> None:
-    """Linked tensors have the shapes of the forward tensors they stand for; one
-    target per model output, shaped like it (class ids: without its last axis)."""
+    """Linked tensors have the shapes of the forward tensors they stand for (and
+    a FAKE_QUANT's int8 levels their type and grid: so marked); one target per
+    model output, shaped like it (class ids: without its last axis)."""
     where = f"{GraphLinks.NAME}: forward"
     for b, f in links.forward:
         if backprop.tensors[b].shape != art.forward.tensors[f].shape:
             raise ContractError(path, f"backprop tensor {b} has shape {list(backprop.tensors[b].shape)}"
                                       f" but stands for forward tensor {f} of shape "
                                       f"{list(art.forward.tensors[f].shape)}", where)
+        _link_levels(backprop.tensors[b], art.forward.tensors[f], path)
     if list(backprop.tensors[links.loss].shape) != [1]:
         raise ContractError(path, f"loss tensor {links.loss} has shape "
                                   f"{list(backprop.tensors[links.loss].shape)}; a loss is one "
@@ -237,6 +239,18 @@ def _check_shapes(art: Artifacts, backprop: Graph, links: GraphLinks, path: Path
         if shape not in (out, out[:-1]):
             raise ContractError(path, f"target tensor {t} has shape {list(shape)}, the model output "
                                       f"{list(out)}", f"{GraphLinks.NAME}: targets")
+
+
+def _link_levels(linked: Tensor, forward: Tensor, path: Path) -> None:
+    """Mark the backprop tensor that stands for a FAKE_QUANT's int8 levels."""
+    if not forward.fake_quant:
+        return
+    if linked.dtype != forward.dtype or not forward.quantization.same(linked.quantization):
+        raise ContractError(path, f"backprop tensor {linked.index} stands for forward tensor "
+                                  f"{forward.index}, int8 levels of a FAKE_QUANT, but is not "
+                                  "declared int8 of its scale and zero point",
+                            f"{GraphLinks.NAME}: forward")
+    linked.fake_quant = True
 
 
 def _check_indices(path: Path, record: str, name: str, indices: list[int], n: int) -> None:

@@ -20,6 +20,7 @@ from .artifacts import Artifacts
 from .errors import OperatorError, UserError
 from .graph import BATCH, Graph, batched, concrete_shape
 from .kernels import KERNELS, ROWS, in_sequence, prepare, version_problem
+from .kernels.fake_quant import levels_problem
 from .kernels.quantized import integer_problem
 from .kernels.workspace import Workspace, begin_kernel, scratch, sharing
 from .lazy import RowGrad
@@ -38,7 +39,7 @@ SPLIT_RESOLVES = ("DEQUANTIZE", "DENSIFY")
 
 def _check_kernels(g: Graph, path) -> None:
     for op in g.ops:
-        if problem := integer_problem(g, op):
+        if problem := integer_problem(g, op) or levels_problem(g, op):
             raise UserError(path, f"operator {op.index} ({op.type}) {problem}")
         if op_quantization(g, op) is not None:
             continue
@@ -416,9 +417,10 @@ class Hooks:
         rows = None if backprop and self.scaler.hooks(op) else _tile_rows(g, op, inputs, outputs)
         if rows:
             return [self._tiled(g, op, inputs, outputs, rows, backprop)]
-        wide_in = [_wide(a) for a in inputs]
+        grids = [_grid(g, i) for i in op.inputs]
+        wide_in = [_wide(a, grid) for a, grid in zip(inputs, grids)]
         wide_out = [_wide(a) for a in outputs]
-        loads = [widen(a, w) for a, w in zip(inputs, wide_in) if w is not a]
+        loads = [widen(a, w, grid) for a, w, grid in zip(inputs, wide_in, grids) if w is not a]
         steps = [self.scaler.kernel(op, wide_in, wide_out) if backprop
                  else prepare(op.type, wide_in, wide_out, op_quantization(g, op), **op.options)]
         if backprop:
@@ -445,8 +447,10 @@ class Hooks:
         batch = [t >= 0 and g.tensors[t].shape[:1] == (BATCH,) for t in op.inputs]  # -1: absent
         n = next(a.shape[0] for a, b in zip(inputs, batch) if b)
         tile = lambda a: scratch((rows,) + a.shape[1:], F32)  # noqa: E731
-        wide_in = [tile(a) if b else _wide(a) for a, b in zip(inputs, batch)]
-        whole_loads = [widen(a, w) for a, w, b in zip(inputs, wide_in, batch) if not b and w is not a]
+        grids = [_grid(g, i) for i in op.inputs]
+        wide_in = [tile(a) if b else _wide(a, grid) for a, b, grid in zip(inputs, batch, grids)]
+        whole_loads = [widen(a, w, grid) for a, w, b, grid in zip(inputs, wide_in, batch, grids)
+                       if not b and w is not a]
         sums = ROWS[op.type] == "sum"
         if sums:
             ((t, out),) = zip(op.outputs, outputs)
@@ -467,7 +471,8 @@ class Hooks:
         head = lambda w, k: w if len(w) == k else w[:k]  # noqa: E731  (no view per whole tile)
         for lo, hi in spans:
             k = hi - lo
-            steps = [_loader(a[lo:hi], head(w, k)) for a, w, b in zip(inputs, wide_in, batch) if b]
+            steps = [_loader(a[lo:hi], head(w, k), grid)
+                     for a, w, b, grid in zip(inputs, wide_in, batch, grids) if b]
             steps.append(kernels[k])
             if sums:
                 steps.append(_adder(part, total, first=lo == 0))
@@ -509,9 +514,9 @@ def _tile_rows(g: Graph, op, inputs: list, outputs: list) -> int | None:
 TILE = 1 << 14  # elements of a batch tensor's float32 copy in one tile
 
 
-def _loader(src: np.ndarray, dst: np.ndarray):
+def _loader(src: np.ndarray, dst: np.ndarray, grid):
     """Widen or copy one tile of a batch-shaped input into float32 scratch."""
-    return widen(src, dst) if reduced(src.dtype) else (lambda: np.copyto(dst, src))
+    return widen(src, dst, grid) if reduced(src.dtype) or grid else (lambda: np.copyto(dst, src))
 
 
 def _storer(g: Graph, t: int, src: np.ndarray, dst: np.ndarray, counting: tuple, work):
@@ -543,9 +548,15 @@ def _nothing():
     pass
 
 
-def _wide(a: np.ndarray | None) -> np.ndarray | None:
-    """`a` itself, or float32 scratch of its shape when it holds reduced precision."""
-    return scratch(a.shape, F32) if a is not None and reduced(a.dtype) else a
+def _wide(a: np.ndarray | None, grid=None) -> np.ndarray | None:
+    """`a` itself, or float32 scratch of its shape when it holds reduced precision
+    or (given their `grid`) a FAKE_QUANT's int8 levels."""
+    return scratch(a.shape, F32) if a is not None and (reduced(a.dtype) or grid) else a
+
+
+def _grid(g: Graph, t: int):
+    """The grid of tensor t when it holds a FAKE_QUANT's int8 levels, else None."""
+    return g.tensors[t].quantization if t >= 0 and g.tensors[t].fake_quant else None
 
 
 def compile_plan(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:

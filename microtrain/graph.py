@@ -22,6 +22,9 @@ class Tensor:
     dtype: np.dtype
     data: np.ndarray | None = None  # constant data; None for activations and cut-out weights
     quantization: Quantization | None = None  # an integer tensor's scales and zero points
+    # int8 levels a FAKE_QUANT wrote: its float32 values stored in one byte each
+    # (`quantization` is its grid); every operator reads them as those values
+    fake_quant: bool = False
 
 
 @dataclass
@@ -87,6 +90,9 @@ def graph_of(model, subgraph: int = 0) -> Graph:
     ops = [Op(i, name, list(_ints(op.inputs)), list(_ints(op.outputs)), options_dict(op, name),
               model.operatorCodes[op.opcodeIndex].version)
            for i, (name, op) in enumerate(zip(names, sg.operators or []))]
+    for op in ops:
+        for t in op.outputs if op.type == "FAKE_QUANT" else ():
+            tensors[t].fake_quant = tensors[t].dtype == np.int8
     return Graph(tensors, ops, list(_ints(sg.inputs)), list(_ints(sg.outputs)))
 
 

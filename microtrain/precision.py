@@ -8,6 +8,10 @@ to inf, as on hardware that accumulates in fp32 and stores in fp16).  A float16
 tensor that aliases a float32 buffer (a weight gradient in the flat gradient
 vector) is rounded in place to float16 values instead.
 
+A FAKE_QUANT's output declared int8 (graph.Tensor.fake_quant) is stored as its
+levels (1 byte an element) and widened likewise into its float32 values
+(kernels/fake_quant.py); FAKE_QUANT writes the levels itself.
+
 numpy's float32 -> float16 cast converts an element at a time (~1.5 ns, and ~65 ns
 for each value that becomes an fp16 subnormal or zero); the conversions below use
 float32 arithmetic and integer bit operations instead, about a dozen passes of
@@ -20,7 +24,9 @@ import numpy as np
 
 from .errors import UserError
 from .kernels import in_sequence
+from .kernels.fake_quant import dequantizer
 from .kernels.workspace import kept, scratch
+from .quantization import Quantization
 
 F32 = np.dtype(np.float32)
 HALF = np.dtype(np.float16)
@@ -363,12 +369,16 @@ def _narrower(src: np.ndarray, dst: np.ndarray, grid: np.ndarray, floor: np.ndar
     return step
 
 
-def widen(src: np.ndarray, dst: np.ndarray):
+def widen(src: np.ndarray, dst: np.ndarray, grid: Quantization | None = None):
     """A closure copying the float16 array `src` into the float32 array `dst`
     (exact), in place in `dst`: sign-extending the float16 bits to 32 and
     shifting them left by 13 puts the sign on bit 31 and sets bits 28..30 for
     negative values; clearing those leaves the float32 bits of the value times
-    2^-112.  Both contiguous, of one shape."""
+    2^-112.  Both contiguous, of one shape.  Given the `grid` of a FAKE_QUANT's
+    int8 levels (graph.Tensor.fake_quant), `src` holds those levels and `dst`
+    gets their values, bit for bit those of FAKE_QUANT's float kernel."""
+    if grid is not None:
+        return dequantizer(src, dst, float(grid.scale[0]), int(grid.zero_point[0]))
     if src.size < SMALL_WIDEN or src.dtype != HALF:
         return lambda: np.copyto(dst, src)
     bits, field = src.view(np.int16), dst.view(np.int32)

@@ -29,8 +29,9 @@ class Quantization:
         scale = np.atleast_1d(np.asarray(self.scale, np.float32))
         zero = np.atleast_1d(np.asarray(self.zero_point, np.int64))
         object.__setattr__(self, "scale", scale)
-        object.__setattr__(self, "zero_point",
-                           np.broadcast_to(zero, scale.shape).copy() if zero.size == 1 else zero)
+        object.__setattr__(self, "zero_point",  # as read (a view of a mapped file's bytes)
+                           np.broadcast_to(zero, scale.shape).copy() if zero.size == 1 < scale.size
+                           else zero)
 
     def along(self, values: np.ndarray, ndim: int) -> np.ndarray:
         """Per-slice `values` shaped to broadcast over an array of `ndim` axes
@@ -116,10 +117,12 @@ class OpQuantization:
 
 def op_quantization(g, op) -> OpQuantization | None:
     """The parameters of `op` in graph g when it computes on quantized activations
-    (an input it does not hold as a constant, or an output, is quantized), else None."""
+    (an input it does not hold as a constant, or an output, is quantized), else None.
+    A FAKE_QUANT's int8 levels are float values in storage (graph.Tensor.fake_quant):
+    they do not make an operator integer."""
     computed = [g.tensors[i] for i in op.inputs if i >= 0 and g.tensors[i].data is None]
     outputs = [g.tensors[i] for i in op.outputs]
-    if not any(t.quantization is not None for t in computed + outputs):
+    if not any(t.quantization is not None and not t.fake_quant for t in computed + outputs):
         return None
     return OpQuantization([g.tensors[i].quantization if i >= 0 else None for i in op.inputs],
                           [t.quantization for t in outputs])

@@ -5,7 +5,10 @@ import pytest
 import torch
 
 from kernel_check import run
-from microtrain.kernels.fake_quant import nudged_range, range_of, scale_zero_point
+from microtrain.graph import Graph, Op, Tensor
+from microtrain.kernels.fake_quant import levels_problem, nudged_range, range_of, scale_zero_point
+from microtrain.precision import widen
+from microtrain.quantization import Quantization
 from tflite_op import tflite_run
 
 RANGES = [(-1.3, 2.1), (0.0, 6.0), (-0.4, 0.0), (0.3, 5.0)]  # the last nudged to include 0
@@ -38,6 +41,40 @@ def test_fake_quant_gradient_is_torch_straight_through(lo, hi):
     (dx,) = run("FakeQuantGrad", [dy, x], [x.shape], min=lo, max=hi, num_bits=8)
     np.testing.assert_array_equal(dx, t.grad.numpy())
     assert 0 < np.count_nonzero(dx) < dx.size  # some inside the range, some clamped
+
+
+@pytest.mark.parametrize("lo,hi", RANGES + [(-0.0123 * 111, 0.0123 * 144)])  # a model's grid
+def test_int8_levels_hold_the_float_kernels_values(lo, hi):
+    """A FAKE_QUANT writing int8 stores the levels of LiteRT's values on the grid
+    it declares, and widening them gives the float kernel's values, to the bit."""
+    x = np.random.default_rng(5).uniform(-3, 7, (4, 5, 60)).astype(np.float32)
+    x[0, 0, :3] = [lo, hi, 0.0]  # the range's ends and zero
+    scale, zero = scale_zero_point(lo, hi)
+    (values,) = run("FAKE_QUANT", [x], [x.shape], np.float32, min=lo, max=hi, num_bits=8)
+    (levels,) = run("FAKE_QUANT", [x], [x.shape], np.int8, min=lo, max=hi, num_bits=8)
+    (litert,) = tflite_run("FAKE_QUANT", [x], [x.shape], min=lo, max=hi, num_bits=8)
+    np.testing.assert_array_equal(levels, np.round(litert / scale) + zero)
+    assert levels.min() == -128 and levels.max() == 127  # both clamped ends are stored
+    widened = np.full(x.shape, np.nan, np.float32)
+    widen(levels, widened, Quantization(scale, zero))()
+    np.testing.assert_array_equal(widened.view(np.uint32), values.view(np.uint32))
+
+
+def _stored(scale: float, zero: int, **options) -> tuple[Graph, Op]:
+    """A graph of one FAKE_QUANT storing its output as int8 of grid (scale, zero)."""
+    x = Tensor(0, "x", (-1, 4), np.dtype(np.float32))
+    y = Tensor(1, "y", (-1, 4), np.dtype(np.int8), quantization=Quantization(scale, zero),
+               fake_quant=True)
+    op = Op(0, "FAKE_QUANT", [0], [1], {"min": -1.0, "max": 2.0, "num_bits": 8, **options})
+    return Graph([x, y], [op], [0], [1]), op
+
+
+def test_int8_levels_must_declare_their_grid():
+    scale, zero = scale_zero_point(-1.0, 2.0)
+    assert levels_problem(*_stored(scale, zero)) is None
+    for problem in (_stored(scale, zero + 1), _stored(scale * 1.001, zero),
+                    _stored(scale, zero, narrow_range=True)):
+        assert "stores tensor 1 'y' as int8" in levels_problem(*problem)
 
 
 def test_scale_and_zero_point_round_trip():

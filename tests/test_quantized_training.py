@@ -1,6 +1,7 @@
 """Training through int8 quantization: int8 models, dynamic-range models and
 float models split with --quantize int8 (trainconf/quantize.py)."""
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -9,17 +10,24 @@ from ai_edge_litert.interpreter import Interpreter
 from click.testing import CliRunner
 
 from microtrain.cli import main as microtrain
-from microtrain.format.model import load_model, op_name
+from microtrain.artifacts import BACKPROP_META, UNSEALED, seal
+from microtrain.errors import UserError
+from microtrain.format.model import (get_metadata, load_model, model_to_bytes, op_name,
+                                     set_metadata)
+from microtrain.graph import concrete_shape, graph_of
 from trainconf.cli import main as trainconf
 from microtrain.trainer import Trainer
 from test_export_int8 import litert_invoked
+from test_memory_plan import assert_plan_is_held
 from test_split_gradients import relative_error
 from torch_reference import reference_gradients
+from trainconf import quantize
 from trainconf.quantize import QuantSpec, record_of
 from trainconf.split import split
 
 QUANTIZED = Path("tests/fixtures/quantized")
 FIXTURES = Path("tests/fixtures")
+CACHE = os.environ.get("TRAINCONF_REAL_MODELS")
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +207,7 @@ def test_memory_budget_trains_some_rows_of_a_quantized_weight(digits, tmp_path):
     """A budget that trains part of a layer slices the rows' grids with the rows;
     their gradients are torch's rows."""
     x, t = np.load(digits[0])[:16], np.load(digits[1])[:16]
-    result = split(QUANTIZED / "full_int8.tflite", tmp_path, memory_budget="1205KB")
+    result = split(QUANTIZED / "full_int8.tflite", tmp_path, memory_budget="1100KB")
     trainer = Trainer(result.frozen, batch_size=len(x), optimizer="sgd")
     rows = trainer.art.training.rows
     assert rows
@@ -208,3 +216,89 @@ def test_memory_budget_trains_some_rows_of_a_quantized_weight(digits, tmp_path):
     for tensor, g in got.items():
         lo, hi = rows.get(tensor, (0, len(want[tensor])))
         assert relative_error(g, want[tensor][lo:hi]) < 1e-4
+
+
+STORED = [("full_int8", None, {}), ("full_int8", None, {"recompute": "auto"}),
+          ("full_int8", None, {"precision": "fp16"}), ("shared_bias", "int8", {})]
+CACHED = [Path(CACHE) / "keras" / f"{name}.tflite" for name in ("small_cnn_int8",
+                                                                "mobilenet_v2_int8")] \
+    if CACHE else []
+
+
+def _int8_and_float_storage(model: Path, calibration, tmp_path, monkeypatch, **options):
+    """The model split as it is and with its FAKE_QUANT outputs stored in float32
+    (as before int8 storage), and 48 random samples with one-hot targets."""
+    spec = QuantSpec(calibration and "int8", calibration)
+    splits = [split(model, tmp_path / "int8", quant=spec, **options)]
+    with monkeypatch.context() as m:
+        m.setattr(quantize, "store_levels", graph_of)
+        splits.append(split(model, tmp_path / "float", quant=spec, **options))
+    g = graph_of(load_model(splits[0].frozen))
+    rng = np.random.default_rng(0)
+    x = rng.random(concrete_shape(g.tensors[g.inputs[0]].shape, 48), dtype=np.float32)
+    t = np.eye(10, dtype=np.float32)[rng.integers(0, 10, 48)]
+    return splits, x, t
+
+
+@pytest.mark.parametrize("name,quantize_,options", STORED, ids=["int8", "recompute", "fp16", "qat"])
+def test_int8_stored_activations_train_bit_identically(name, quantize_, options, digits, tmp_path,
+                                                       monkeypatch):
+    """FAKE_QUANT outputs stored as int8 levels: the same losses and weights, to the
+    bit, as when they were stored in float32 (but with fp16 activations, which
+    held them rounded to fp16), in fewer bytes, which the run holds as planned."""
+    splits, x, t = _int8_and_float_storage(QUANTIZED / f"{name}.tflite",
+                                           digits[0] if quantize_ else None, tmp_path,
+                                           monkeypatch, batch_size=16, optimizer="momentum",
+                                           **options)
+    runs = []
+    for result in splits:
+        trainer = Trainer(result.frozen, batch_size=16, optimizer="momentum")
+        history = trainer.fit([x], [t], epochs=2, shuffle=False)
+        assert_plan_is_held(result.memory, trainer)
+        stored = [u for u in trainer.art.forward.tensors if u.fake_quant]
+        runs.append(([h["loss"] for h in history], trainer.memory.params.copy(), stored))
+    (losses, weights, stored), (float_losses, float_weights, none) = runs
+    assert stored and not none
+    assert all(u.dtype == np.int8 for u in stored)
+    assert splits[0].memory["arena"] < splits[1].memory["arena"]
+    if options.get("precision") == "fp16":
+        assert losses != float_losses
+        np.testing.assert_allclose(losses, float_losses, rtol=1e-2)
+    else:
+        assert losses == float_losses
+        np.testing.assert_array_equal(weights, float_weights)
+
+
+@pytest.mark.parametrize("model", CACHED, ids=lambda p: p.stem)
+def test_int8_stored_activations_of_real_models_are_held_as_planned(model, tmp_path,
+                                                                    monkeypatch):
+    """The cache's int8 Keras models (TRAINCONF_REAL_MODELS): planned RAM is held,
+    and training is bit-identical to float32 storage."""
+    splits, x, t = _int8_and_float_storage(model, None, tmp_path, monkeypatch, batch_size=16,
+                                           optimizer="sgd")
+    runs = []
+    for result in splits:
+        trainer = Trainer(result.frozen, batch_size=16, optimizer="sgd")
+        losses = [h["loss"] for h in trainer.fit([x[:32]], [t[:32]], epochs=1, shuffle=False)]
+        assert_plan_is_held(result.memory, trainer)
+        runs.append((losses, trainer.memory.params.copy()))
+    assert splits[0].memory["ram"] < splits[1].memory["ram"]
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
+def test_a_link_to_int8_levels_must_be_declared_alike(tmp_path):
+    """The backprop graph's stand-in for a FAKE_QUANT's int8 output declares its
+    type and grid; one that says float32 is refused in one line."""
+    result = split(QUANTIZED / "full_int8.tflite", tmp_path)
+    forward = Trainer(result.frozen).art.forward
+    model = load_model(result.backprop)
+    meta = json.loads(get_metadata(model, BACKPROP_META))
+    b = next(b for b, f in meta["forward"] if forward.tensors[f].fake_quant)
+    model.subgraphs[0].tensors[b].quantization = None
+    meta["backprop_sha256"] = UNSEALED  # sealed again, as trainconf would
+    set_metadata(model, BACKPROP_META, json.dumps(meta).encode())
+    result.backprop.write_bytes(seal(model_to_bytes(model)))
+    with pytest.raises(UserError, match=f"backprop tensor {b} stands for forward tensor .*"
+                                        "int8 levels of a FAKE_QUANT"):
+        Trainer(result.frozen)

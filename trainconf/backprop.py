@@ -5,7 +5,7 @@ weights, model outputs) become its inputs, linked by index to the forward graph;
 the training targets are inputs too; its outputs are the loss and one gradient
 per trainable tensor.  See schemas/backprop.md.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -47,8 +47,8 @@ class Builder:
     def forward(self, t: int) -> int:
         """The backprop input that aliases forward tensor t."""
         if t not in self.links:
-            src = self.fwd.tensors[t]
-            self.links[t] = self.tensor(src.name, src.shape, src.dtype)
+            self.tensors.append(stand_in(self.fwd.tensors[t], len(self.tensors)))
+            self.links[t] = len(self.tensors) - 1
         return self.links[t]
 
     def constant_of(self, t: int) -> np.ndarray:
@@ -108,8 +108,15 @@ class Builder:
                               [f"accum/{name}"])[0]
 
 
-def _is_float(dtype) -> bool:
-    return np.issubdtype(dtype, np.floating) or reduced(dtype)
+def stand_in(src: Tensor, index: int, name: str | None = None) -> Tensor:
+    """A backprop tensor standing for forward tensor `src` (its value, not its
+    data): of its shape and type, a FAKE_QUANT's int8 levels with their grid."""
+    return replace(src, index=index, name=src.name if name is None else name, data=None)
+
+
+def _is_float(t: Tensor) -> bool:
+    """Whether t holds real values: floats, or a FAKE_QUANT's int8 levels."""
+    return np.issubdtype(t.dtype, np.floating) or reduced(t.dtype) or t.fake_quant
 
 
 def requires_grad(fwd: Graph, trainable: set[int]) -> set[int]:
@@ -119,7 +126,7 @@ def requires_grad(fwd: Graph, trainable: set[int]) -> set[int]:
     needed = set(trainable)
     for op in fwd.ops:
         if any(t in needed for t in op.inputs):
-            needed.update(t for t in op.outputs if t >= 0 and _is_float(fwd.tensors[t].dtype))
+            needed.update(t for t in op.outputs if t >= 0 and _is_float(fwd.tensors[t]))
     return needed
 
 

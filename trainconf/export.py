@@ -142,13 +142,15 @@ def export(frozen, output, wof=None, weights: str = "fp32", traininfo: bool = Fa
 
 
 def restore_activations(model, batch: int) -> None:
-    """Give activations float32 (the split may have made them float16) and, for a
-    model whose batch was a fixed 1, that batch instead of the split's -1 (integer
-    tensors such as token ids too)."""
+    """Give activations float32 (the split may have made them float16, or int8
+    levels of a FAKE_QUANT) and, for a model whose batch was a fixed 1, that batch
+    instead of the split's -1 (integer tensors such as token ids too)."""
     sg = model.subgraphs[0]
     g = graph_of(model)
-    for t in activations(g):
+    for t in activations(g) | {t.index for t in g.tensors if t.fake_quant}:
         sg.tensors[t].type = circle.TensorType.FLOAT32
+        if g.tensors[t].fake_quant:
+            sg.tensors[t].quantization = None
     for t in set(g.inputs) | {t for op in g.ops for t in op.outputs} if batch != BATCH else ():
         sg.tensors[t].shapeSignature = None
     if batch == BATCH:

@@ -403,11 +403,11 @@ def _weight_map(art: Artifacts, files: dict[str, int]) -> WeightMap | None:
 
 def _mapped_files(art: Artifacts, files: dict[str, int], wmap: WeightMap | None) -> int:
     """Bytes of the files the runtime keeps mapped read-only: each model whose
-    constants it reads (views of the file's bytes) and the part of the .wof map
-    never written (frozen rows read in place); a .wof whose weights all train is
-    unmapped once its arrays are copied."""
-    kept = {"frozen": any(t.data is not None for t in art.forward.tensors),
-            "backprop": any(t.data is not None for t in art.backprop.tensors)}
+    constants or quantization parameters it reads (views of the file's bytes)
+    and the part of the .wof map never written (frozen rows read in place); a
+    .wof whose weights all train is unmapped once its arrays are copied."""
+    kept = {name: any(t.data is not None or t.quantization is not None for t in g.tensors)
+            for name, g in (("frozen", art.forward), ("backprop", art.backprop))}
     models = sum(size for name, size in files.items() if kept.get(name))
     return models + (wmap.read_only_bytes() if wmap else 0)
 

@@ -33,7 +33,7 @@ from microtrain.kernels.fake_quant import (channel_shape, range_of, scale_zero_p
 
 from .constants import dequantized, is_quantized, set_float
 from .portable import Editor
-from .writer import set_constant
+from .writer import circle_quantization, set_constant
 
 METADATA = Quantization.NAME
 QUANTIZE_CHOICES = ("int8",)
@@ -376,7 +376,7 @@ def prepare(model, g: Graph, spec: QuantSpec, record: Record | None, batch: int)
         return g
     g = fake_quantize_activations(model, g, record, batch)
     set_metadata(model, METADATA, record.to_json())
-    return g
+    return store_levels(model)
 
 
 def round_weights(model) -> None:
@@ -396,3 +396,22 @@ def round_weights(model) -> None:
     sg.operators = [o for o, op in zip(sg.operators, g.ops) if op.type != "FakeQuantPerChannel"]
     for o in sg.operators:
         o.inputs = [renamed.get(t, t) for t in int_list(o.inputs)]
+
+
+# ---------------------------------------------------------------- int8 storage
+
+def store_levels(model) -> Graph:
+    """Declare the output of each FAKE_QUANT of 8 bits int8 on its grid, but a
+    model output (the loss and the metrics read it): the runtime then stores its
+    levels, a byte each, its readers seeing the very float32 values (the writer
+    and the plan count one byte; graph.Tensor.fake_quant, schemas/quantization.md)."""
+    g = graph_of(model)
+    sg = model.subgraphs[0]
+    for op in g.ops:
+        t = op.outputs[0]
+        if op.type == "FAKE_QUANT" and t not in g.outputs and op.options["num_bits"] == 8 \
+                and not op.options["narrow_range"]:
+            sg.tensors[t].type = circle.TensorType.INT8
+            sg.tensors[t].quantization = circle_quantization(
+                *scale_zero_point(op.options["min"], op.options["max"]))
+    return graph_of(model)

@@ -21,9 +21,9 @@ from math import prod
 from microtrain.arena import START_ALIGN, linear
 from microtrain.artifacts import UNSEALED
 from microtrain.contracts import GraphLinks
-from microtrain.graph import Graph, Op, Tensor, batched
+from microtrain.graph import Graph, Op, batched
 
-from .backprop import Backprop
+from .backprop import Backprop, stand_in
 from .memory import needs, regions
 from .operators import OPERATORS, spec
 
@@ -119,8 +119,7 @@ def apply(g: Graph, bp: Backprop, dropped) -> tuple[Backprop, Choice]:
     made: dict[int, int] = {}  # forward tensor -> its recomputed backprop tensor
 
     def new(f: int, name: str) -> int:
-        src = g.tensors[f]
-        tensors.append(Tensor(len(tensors), name, src.shape, src.dtype))
+        tensors.append(stand_in(g.tensors[f], len(tensors), name))
         return len(tensors) - 1
 
     def read(f: int) -> int:

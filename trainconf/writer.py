@@ -65,11 +65,18 @@ def circle_tensor(model, t) -> "circle.TensorT":
     out.buffer = 0 if t.data is None else _buffer(model, t.data)
     if t.quantization is not None:
         q = t.quantization
-        out.quantization = circle.QuantizationParametersT()
-        out.quantization.scale = [float(s) for s in q.scale]
-        out.quantization.zeroPoint = [int(z) for z in q.zero_point]
-        out.quantization.quantizedDimension = q.axis
+        out.quantization = circle_quantization(q.scale, q.zero_point, q.axis)
     return out
+
+
+def circle_quantization(scale, zero_point, axis: int = 0) -> "circle.QuantizationParametersT":
+    """A tensor's quantization: its scales and zero points (one, or one per slice
+    along `axis`)."""
+    q = circle.QuantizationParametersT()
+    q.scale = [float(s) for s in np.atleast_1d(scale)]
+    q.zeroPoint = [int(z) for z in np.atleast_1d(zero_point)]
+    q.quantizedDimension = axis
+    return q
 
 
 def circle_operator(model, op) -> "circle.OperatorT":

@@ -8,6 +8,12 @@ range so that 0 is exactly representable.  FakeQuantPerChannel rounds a weight
 −qmax..qmax with qmax = 2^(bits−1) − 1, as TFLite's int8 weights (bits 8) and
 int32 biases (bits 32).  Both round half away from zero, as TFLite does.
 
+A FAKE_QUANT whose output is int8 stores the level of each value instead of the
+value (schemas/quantization.md, "int8 storage"): level q of the int8 grid
+(scale, zero point) is FAKE_QUANT's level q + 128, whose float32 value
+(q + 128)·scale + nudged min `dequantizer` computes as the float kernel does, so a
+reader sees the very values the float32 output would hold.
+
 Their gradients are straight-through estimators with a clamp mask: dY passes
 where the rounded level of X is representable, 0 elsewhere (the level taken
 before clamping, as torch.fake_quantize_per_*_affine define it).
@@ -52,17 +58,59 @@ def _levels(x: np.ndarray, lo: float, scale: float) -> np.ndarray:
     return np.floor((x - x.dtype.type(lo)) * inverse + x.dtype.type(0.5))
 
 
+LEVEL_OFFSET = 128  # int8 level q is FAKE_QUANT's level q + 128 (of 0..255)
+# a 0-d array: one for every closure (the memory plan counts what closures keep)
+OFFSET = np.array(LEVEL_OFFSET, np.float32)
+
+
 @kernel("FAKE_QUANT", rows="each")
 def fake_quant(inputs, outputs, min=0.0, max=0.0, num_bits=8, narrow_range=False, **_):
     (x,), (y,) = inputs, outputs
     scale, lo, low, high = nudged_range(min, max, num_bits, narrow_range)
     top = np.float64(high - low)
+    if y.dtype == np.int8:  # its levels (levels_problem has checked the grid)
+        def store():
+            np.subtract(np.clip(_levels(x, lo, scale), 0, top), OFFSET, out=y, casting="unsafe")
+        return store
 
     def step():
         np.clip(_levels(x, lo, scale), 0, top, out=y)
-        np.multiply(y, y.dtype.type(scale), out=y)
-        np.add(y, y.dtype.type(lo), out=y)
+        _to_values(y, scale, lo)
     return step
+
+
+def _to_values(levels: np.ndarray, scale: float, lo: float) -> None:
+    """FAKE_QUANT's values of float `levels` in place: level·scale + nudged min."""
+    np.multiply(levels, levels.dtype.type(scale), out=levels)
+    np.add(levels, levels.dtype.type(lo), out=levels)
+
+
+def dequantizer(src: np.ndarray, dst: np.ndarray, scale: float, zero_point: int):
+    """A closure writing into the float32 array `dst` the values of the int8
+    levels `src` of FAKE_QUANT's grid (scale, zero point): those its float
+    kernel computes, bit for bit."""
+    lo = float(np.float32(-LEVEL_OFFSET - zero_point) * np.float32(scale))  # nudged min
+
+    def step():
+        np.add(src, OFFSET, out=dst)
+        _to_values(dst, scale, lo)
+    return step
+
+
+def levels_problem(g, op) -> str | None:
+    """Why FAKE_QUANT `op` of graph g cannot store its output as int8 levels
+    (None: it can, or its output is a float)."""
+    t = g.tensors[op.outputs[0]]
+    if not t.fake_quant:
+        return None
+    want = scale_zero_point(op.options.get("min", 0.0), op.options.get("max", 0.0))
+    q = t.quantization
+    if op.options.get("num_bits", 8) != 8 or op.options.get("narrow_range", False) or q is None \
+            or q.scale.size != 1 or (float(q.scale[0]), int(q.zero_point[0])) != want:
+        return (f"stores tensor {t.index} '{t.name}' as int8, which needs 8 bits without "
+                f"narrow range and the grid of its range declared (scale {want[0]!r}, zero "
+                f"point {want[1]})")
+    return None
 
 
 @kernel("FakeQuantGrad", rows="each")
