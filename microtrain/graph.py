@@ -91,9 +91,15 @@ def graph_of(model, subgraph: int = 0) -> Graph:
               model.operatorCodes[op.opcodeIndex].version)
            for i, (name, op) in enumerate(zip(names, sg.operators or []))]
     for op in ops:
-        for t in op.outputs if op.type == "FAKE_QUANT" else ():
-            tensors[t].fake_quant = tensors[t].dtype == np.int8
+        for t in op.outputs:
+            tensors[t].fake_quant = stores_levels(op.type, tensors[t].dtype)
     return Graph(tensors, ops, list(_ints(sg.inputs)), list(_ints(sg.outputs)))
+
+
+def stores_levels(op_type: str, dtype) -> bool:
+    """Whether an output of type `dtype` of an operator `op_type` holds a
+    FAKE_QUANT's int8 levels (Tensor.fake_quant)."""
+    return op_type == "FAKE_QUANT" and np.dtype(dtype) == np.int8
 
 
 def concrete_shape(shape: tuple[int, ...], batch: int) -> tuple[int, ...]:

@@ -22,6 +22,7 @@ from test_memory_plan import assert_plan_is_held
 from test_split_gradients import relative_error
 from torch_reference import reference_gradients
 from trainconf import quantize
+from trainconf.inspect import describe
 from trainconf.quantize import QuantSpec, record_of
 from trainconf.split import split
 
@@ -302,3 +303,15 @@ def test_a_link_to_int8_levels_must_be_declared_alike(tmp_path):
     with pytest.raises(UserError, match=f"backprop tensor {b} stands for forward tensor .*"
                                         "int8 levels of a FAKE_QUANT"):
         Trainer(result.frozen)
+
+
+def test_inspect_tells_int8_levels_from_quantized_activations(tmp_path):
+    """The int8 model computes on quantized activations; its split stores float
+    values as int8 levels, and its operators train as float ones."""
+    model = QUANTIZED / "full_int8.tflite"
+    frozen = split(model, tmp_path).frozen
+
+    def labels(path):
+        return {op["training"] for op in describe(load_model(path))["subgraphs"][0]["operators"]}
+    assert "quantized" in labels(model)
+    assert "quantized" not in labels(frozen)

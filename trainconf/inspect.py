@@ -11,7 +11,8 @@ from microtrain.quantization import quantization_of
 from microtrain.trainer import DEFAULT_DIVERGENCE_SNAPSHOT
 from microtrain.loss_scale import DEFAULT_LOSS_SCALE
 from microtrain.format.model import (TYPE_NAMES, enum_names, get_metadata, int_list, op_name,
-                                     options_dict)
+                                     options_dict, tensor_dtype)
+from microtrain.graph import stores_levels
 
 from .constants import RESOLVERS, is_quantized
 from .memory import measure_scratch, peak, peak_text, scratch_points
@@ -99,7 +100,9 @@ def _subgraph(model, s: int, sg) -> dict:
     constants = [_constant(model, t, tensors[t], readers.get(t, 0)) for t in range(len(tensors))
                  if _data_size(model, tensors[t])]
     stored = _stored_constants(model, sg)
-    operators = [_operator(model, k, op, tensors, stored)
+    levels = {t for op in sg.operators or () for t in int_list(op.outputs)
+              if stores_levels(op_name(model, op), tensor_dtype(tensors[t]))}
+    operators = [_operator(model, k, op, tensors, stored, levels)
                  for k, op in enumerate(sg.operators or ())]
     return {
         "index": s,
@@ -149,18 +152,20 @@ def _stored_constants(model, sg) -> set[int]:
     return stored
 
 
-def _training(model, op, tensors, stored: set[int]) -> str:
+def _training(model, op, tensors, stored: set[int], levels: set[int]) -> str:
     """training_support, and what quantization or a stored form changes about it:
     `quantized` (it computes on quantized activations: it trains through fake
     quantization), `quantized weights` (dynamic-range int8 weights: kept on
     their grids or dequantized at split, --int8-weights), `folded` for a
-    DEQUANTIZE/DENSIFY of a constant (`stored`)."""
+    DEQUANTIZE/DENSIFY of a constant (`stored`).  A FAKE_QUANT's int8 levels
+    (`levels`: a split's float values in storage) are no quantized activations."""
     name = op_name(model, op)
     indices = [t for t in int_list(op.inputs) if t >= 0]
     inputs = [tensors[t] for t in indices]
     constant = [t in stored for t in indices]
-    if any(is_quantized(x) and not c for x, c in zip(inputs, constant)) or \
-            any(is_quantized(tensors[t]) for t in int_list(op.outputs)):
+    if any(is_quantized(tensors[t]) and not c for t, c in zip(indices, constant)
+           if t not in levels) or \
+            any(is_quantized(tensors[t]) for t in int_list(op.outputs) if t not in levels):
         return "quantized"
     if name in RESOLVERS and constant and constant[0]:
         return "folded"
@@ -169,7 +174,7 @@ def _training(model, op, tensors, stored: set[int]) -> str:
     return training_support(name)
 
 
-def _operator(model, k: int, op, tensors, stored: set[int]) -> dict:
+def _operator(model, k: int, op, tensors, stored: set[int], levels: set[int]) -> dict:
     name = op_name(model, op)
     options = options_dict(op, name)
     activation = options.get("fused_activation_function")
@@ -180,7 +185,7 @@ def _operator(model, k: int, op, tensors, stored: set[int]) -> dict:
         "inputs": [_ref(t, tensors) for t in int_list(op.inputs)],
         "outputs": [_ref(t, tensors) for t in int_list(op.outputs)],
         "options": options,
-        "training": _training(model, op, tensors, stored),
+        "training": _training(model, op, tensors, stored, levels),
     }
 
 
