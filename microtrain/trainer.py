@@ -3,7 +3,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -25,9 +25,8 @@ from .optimizers import make_optimizer
 from .parameters import FROZEN_MODEL, resolve
 from .schedules import make_schedule
 from .shuffle import Shuffler
+from .run_config import DEFAULT_DIVERGENCE_SNAPSHOT, DIVERGENCE_SNAPSHOTS, RunConfig
 
-if TYPE_CHECKING:  # run_config imports this module
-    from .run_config import RunConfig
 
 
 def quiet(method):
@@ -39,15 +38,6 @@ def quiet(method):
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             return method(*args, **kwargs)
     return run
-
-
-# Where a diverged run's weights are restored from (--divergence-snapshot)
-DIVERGENCE_SNAPSHOTS = {
-    "file": "those of the .wof last saved (or the one the run read), from disk: no copy of "
-            "the weights in RAM",
-    "ram": "those of the epoch's start, from a copy kept in RAM (4 bytes more per trained "
-           "weight)"}
-DEFAULT_DIVERGENCE_SNAPSHOT = "file"
 
 
 class Diverged(Exception):
@@ -198,7 +188,7 @@ class Trainer:
         self._meters: dict[int, Callable[[], tuple[float, int]]] = {}
 
     @classmethod
-    def from_config(cls, config: "RunConfig", with_backprop: bool = True,
+    def from_config(cls, config: RunConfig, with_backprop: bool = True,
                     plain: bool = False) -> "Trainer":
         """The trainer of `microtrain run`'s options: the files `config` names, with
         its training options (its data and --epochs are for `fit`; --epochs is
