@@ -24,11 +24,18 @@ from .loss_scale import ADAPTIVE_DEFAULTS, DEFAULT_LOSS_SCALE, DYNAMIC_DEFAULTS
 from .metrics import METRICS
 from .optimizers import DEFAULTS as OPTIMIZER_DEFAULTS, OPTIMIZERS
 from .schedules import DEFAULTS as SCHEDULE_DEFAULTS, SCHEDULES
-from .trainer import DEFAULT_DIVERGENCE_SNAPSHOT, DIVERGENCE_SNAPSHOTS
 
 RECORDED = "the frozen model's training parameters (recorded by trainconf split)"
 HYPERPARAMETER, SCHEDULE, LOSS_SCALE = "hyperparameter", "schedule", "loss scale"
 FILE = click.Path(dir_okay=False, path_type=str)
+
+# Where a diverged run's weights are restored from (--divergence-snapshot)
+DIVERGENCE_SNAPSHOTS = {
+    "file": "those of the .wof last saved (or the one the run read), from disk: no copy of "
+            "the weights in RAM",
+    "ram": "those of the epoch's start, from a copy kept in RAM (4 bytes more per trained "
+           "weight)"}
+DEFAULT_DIVERGENCE_SNAPSHOT = "file"
 
 
 class Shape(click.ParamType):

@@ -3,7 +3,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -12,7 +12,7 @@ from .contracts import LossScaleState, ShufflerState
 from .artifacts import load_artifacts
 from .data import Holding, batch_indices, check_ids, check_values, hold
 from .errors import UserError
-from .executor import Hooks, Memory, Plan, check_supported, compile_plan, reorders
+from .executor import Memory, Plan, Wrappers, check_supported, compile_plan, reorders
 from .graph import symbolic_batch
 from .format.wof import write_wof
 from .kernels.workspace import sharing
@@ -25,9 +25,8 @@ from .optimizers import make_optimizer
 from .parameters import FROZEN_MODEL, resolve
 from .schedules import make_schedule
 from .shuffle import Shuffler
-
-if TYPE_CHECKING:  # run_config imports this module
-    from .run_config import RunConfig
+from .run_config import DEFAULT_DIVERGENCE_SNAPSHOT, DIVERGENCE_SNAPSHOTS, RunConfig
+from .update_order import UpdateOrder
 
 
 def quiet(method):
@@ -39,15 +38,6 @@ def quiet(method):
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             return method(*args, **kwargs)
     return run
-
-
-# Where a diverged run's weights are restored from (--divergence-snapshot)
-DIVERGENCE_SNAPSHOTS = {
-    "file": "those of the .wof last saved (or the one the run read), from disk: no copy of "
-            "the weights in RAM",
-    "ram": "those of the epoch's start, from a copy kept in RAM (4 bytes more per trained "
-           "weight)"}
-DEFAULT_DIVERGENCE_SNAPSHOT = "file"
 
 
 class Diverged(Exception):
@@ -175,8 +165,8 @@ class Trainer:
         if self.art.backprop is not None:
             self.scaler.bind(self.art, self.memory.grad_offsets)
         self.underflow = Underflow()
-        self.hooks = Hooks(self.art, self.scaler, self.underflow, self.memory,
-                           self._update_now if self.reorder else None)
+        self.wrappers = Wrappers(self.scaler, self.underflow,
+                                 UpdateOrder(self.art, self._update_now if self.reorder else None))
         self._begun = False  # whether this step's updates have begun (reordering)
         self._flat_grads = {t: g.reshape(-1) for t, g in self.memory.grad_views.items()}
         # weight t, or a fused tile's (lo, hi) in the weights -> its update
@@ -198,7 +188,7 @@ class Trainer:
         self._meters: dict[int, Callable[[], tuple[float, int]]] = {}
 
     @classmethod
-    def from_config(cls, config: "RunConfig", with_backprop: bool = True,
+    def from_config(cls, config: RunConfig, with_backprop: bool = True,
                     plain: bool = False) -> "Trainer":
         """The trainer of `microtrain run`'s options: the files `config` names, with
         its training options (its data and --epochs are for `fit`; --epochs is
@@ -215,7 +205,7 @@ class Trainer:
     # -- data ---------------------------------------------------------------------------------
     def _plan(self, rows: int) -> Plan:
         if rows not in self._plans:
-            self._plans[rows] = compile_plan(self.art, self.memory, rows, self.hooks)
+            self._plans[rows] = compile_plan(self.art, self.memory, rows, self.wrappers)
         return self._plans[rows]
 
     def _expect(self, arrays: Sequence[np.ndarray], views: list[np.ndarray], what: str,

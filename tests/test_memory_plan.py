@@ -18,7 +18,8 @@ from microtrain.artifacts import BACKPROP_META, UNSEALED, load_artifacts, seal
 from microtrain.errors import UserError
 from microtrain.format.model import get_metadata, load_model, model_to_bytes, set_metadata
 from microtrain.graph import concrete_shape
-from microtrain.trainer import DIVERGENCE_SNAPSHOTS, Trainer
+from microtrain.run_config import DIVERGENCE_SNAPSHOTS
+from microtrain.trainer import Trainer
 from trainconf.cli import main
 from trainconf.split import split
 

@@ -173,6 +173,7 @@ def test_tiled_fp16_ops_train_as_whole_ones(tmp_path, monkeypatch, model):
     to float32 summation order, and the tiles hold less scratch; an absent optional
     input (a bias) stays absent in every tile."""
     import microtrain.executor as executor
+    import microtrain.row_tiles as row_tiles
     source = FIXTURES / "cnn.tflite" if model == "cnn" else _without_dense_bias(tmp_path)
     frozen = split(source, tmp_path, precision="fp16").frozen
     x, y = np.load(FIXTURES / "digits_images.npy")[:300], np.load(FIXTURES / "digits_onehot.npy")[:300]
@@ -183,9 +184,9 @@ def test_tiled_fp16_ops_train_as_whole_ones(tmp_path, monkeypatch, model):
         return losses, t.memory.workspace.buffer.nbytes
     whole, whole_scratch = run()
     tiled_ops = []
-    monkeypatch.setattr(executor, "TILE", 256)
-    monkeypatch.setattr(executor.Hooks, "_tiled", lambda self, g, op, *a, _t=executor.Hooks._tiled:
-                        tiled_ops.append(op.type) or _t(self, g, op, *a))
+    monkeypatch.setattr(row_tiles, "TILE", 256)
+    monkeypatch.setattr(executor, "tiled", lambda g, op, *a, _t=executor.tiled:
+                        tiled_ops.append(op.type) or _t(g, op, *a))
     tiled, tiled_scratch = run()
     assert {"CONV_2D", "Conv2DInputGrad", "Conv2DWeightGrad", "FULLY_CONNECTED"} <= set(tiled_ops)
     np.testing.assert_allclose(tiled, whole, rtol=1e-4)
