@@ -218,7 +218,7 @@ def _attach_backprop(art: Artifacts, path: Path) -> None:
 
 def _check_shapes(art: Artifacts, backprop: Graph, links: GraphLinks, path: Path) -> None:
     """Linked tensors have the shapes of the forward tensors they stand for (and
-    a FAKE_QUANT's int8 levels their type and grid: so marked); one target per
+    a fake quantization's int8 levels their type and grid: so marked); one target per
     model output, shaped like it (class ids: without its last axis)."""
     where = f"{GraphLinks.NAME}: forward"
     for b, f in links.forward:
@@ -242,15 +242,17 @@ def _check_shapes(art: Artifacts, backprop: Graph, links: GraphLinks, path: Path
 
 
 def _link_levels(linked: Tensor, forward: Tensor, path: Path) -> None:
-    """Mark the backprop tensor that stands for a FAKE_QUANT's int8 levels."""
+    """Mark the backprop tensor that stands for a fake quantization's int8 levels."""
     if not forward.fake_quant:
         return
-    if linked.dtype != forward.dtype or not forward.quantization.same(linked.quantization):
+    q = linked.quantization
+    if linked.dtype != forward.dtype or not forward.quantization.same(q) or \
+            q.axis != forward.quantization.axis:
         raise ContractError(path, f"backprop tensor {linked.index} stands for forward tensor "
-                                  f"{forward.index}, int8 levels of a FAKE_QUANT, but is not "
-                                  "declared int8 of its scale and zero point",
+                                  f"{forward.index}, int8 levels of a {forward.fake_quant}, but "
+                                  "is not declared int8 of their scales and zero points",
                             f"{GraphLinks.NAME}: forward")
-    linked.fake_quant = True
+    linked.fake_quant = forward.fake_quant
 
 
 def _check_indices(path: Path, record: str, name: str, indices: list[int], n: int) -> None:

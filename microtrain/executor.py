@@ -363,21 +363,21 @@ def _wrapped(g: Graph, op, arrays: list, row_grads: dict, rounding, scaler: Loss
     if (rows := row_grads.get(op.outputs[0])) is not None:  # fp32 only (lazy.py)
         return [rows.kernel(op, inputs, g.tensors[op.outputs[0]].shape[0])]
     roundings = [rounding(t) for t in op.outputs]
-    grids = [_grid(g, t) for t in op.inputs]
+    levels = [_levels(g, t) for t in op.inputs]
     tile = None if scaler is not None and scaler.hooks(op) else tile_rows(g, op, inputs, outputs)
     if tile:
-        return [tiled(g, op, inputs, outputs, tile, roundings, grids)]
+        return [tiled(g, op, inputs, outputs, tile, roundings, levels)]
 
     def kernel(wide_in: list, wide_out: list) -> list:
         if scaler is not None:
             return scaler.closures(op, wide_in, wide_out)
         return [prepare(op.type, wide_in, wide_out, op_quantization(g, op), **op.options)]
-    return in_float32(kernel, inputs, outputs, roundings, grids)
+    return in_float32(kernel, inputs, outputs, roundings, levels)
 
 
-def _grid(g: Graph, t: int):
-    """The grid of tensor t when it holds a FAKE_QUANT's int8 levels, else None."""
-    return g.tensors[t].quantization if t >= 0 and g.tensors[t].fake_quant else None
+def _levels(g: Graph, t: int):
+    """Tensor t when it holds a fake quantization's int8 levels, else None."""
+    return g.tensors[t] if t >= 0 and g.tensors[t].fake_quant else None
 
 
 def _rounding(art: Artifacts, g: Graph, underflow: Underflow | None):

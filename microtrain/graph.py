@@ -22,9 +22,10 @@ class Tensor:
     dtype: np.dtype
     data: np.ndarray | None = None  # constant data; None for activations and cut-out weights
     quantization: Quantization | None = None  # an integer tensor's scales and zero points
-    # int8 levels a FAKE_QUANT wrote: its float32 values stored in one byte each
-    # (`quantization` is its grid); every operator reads them as those values
-    fake_quant: bool = False
+    # the fake-quantization operator (FAKE_QUANT, FakeQuantPerChannel) whose int8
+    # levels the tensor holds: its float32 values stored in one byte each
+    # (`quantization` is their grid; "": not such a tensor); operators read the values
+    fake_quant: str = ""
 
 
 @dataclass
@@ -92,14 +93,14 @@ def graph_of(model, subgraph: int = 0) -> Graph:
            for i, (name, op) in enumerate(zip(names, sg.operators or []))]
     for op in ops:
         for t in op.outputs:
-            tensors[t].fake_quant = stores_levels(op.type, tensors[t].dtype)
+            tensors[t].fake_quant = op.type if stores_levels(op.type, tensors[t].dtype) else ""
     return Graph(tensors, ops, list(_ints(sg.inputs)), list(_ints(sg.outputs)))
 
 
 def stores_levels(op_type: str, dtype) -> bool:
-    """Whether an output of type `dtype` of an operator `op_type` holds a
-    FAKE_QUANT's int8 levels (Tensor.fake_quant)."""
-    return op_type == "FAKE_QUANT" and np.dtype(dtype) == np.int8
+    """Whether an output of type `dtype` of an operator `op_type` holds a fake
+    quantization's int8 levels (Tensor.fake_quant)."""
+    return op_type in ("FAKE_QUANT", "FakeQuantPerChannel") and np.dtype(dtype) == np.int8
 
 
 def concrete_shape(shape: tuple[int, ...], batch: int) -> tuple[int, ...]:

@@ -8,9 +8,9 @@ to inf, as on hardware that accumulates in fp32 and stores in fp16).  A float16
 tensor that aliases a float32 buffer (a weight gradient in the flat gradient
 vector) is rounded in place to float16 values instead.
 
-A FAKE_QUANT's output declared int8 (graph.Tensor.fake_quant) is stored as its
-levels (1 byte an element) and widened likewise into its float32 values
-(kernels/fake_quant.py); FAKE_QUANT writes the levels itself.
+A fake quantization's output declared int8 (graph.Tensor.fake_quant) is stored as
+its levels (1 byte an element) and widened likewise into its float32 values
+(kernels/fake_quant.py); the fake-quantization kernel writes the levels itself.
 
 numpy's float32 -> float16 cast converts an element at a time (~1.5 ns, and ~65 ns
 for each value that becomes an fp16 subnormal or zero); the conversions below use
@@ -26,8 +26,8 @@ import numpy as np
 from .errors import UserError
 from .kernels import in_sequence
 from .kernels.fake_quant import dequantizer
+from .graph import Tensor
 from .kernels.workspace import kept, scratch
-from .quantization import Quantization
 
 F32 = np.dtype(np.float32)
 HALF = np.dtype(np.float16)
@@ -370,16 +370,16 @@ def _narrower(src: np.ndarray, dst: np.ndarray, grid: np.ndarray, floor: np.ndar
     return step
 
 
-def widen(src: np.ndarray, dst: np.ndarray, grid: Quantization | None = None):
+def widen(src: np.ndarray, dst: np.ndarray, levels: Tensor | None = None):
     """A closure copying the float16 array `src` into the float32 array `dst`
     (exact), in place in `dst`: sign-extending the float16 bits to 32 and
     shifting them left by 13 puts the sign on bit 31 and sets bits 28..30 for
     negative values; clearing those leaves the float32 bits of the value times
-    2^-112.  Both contiguous, of one shape.  Given the `grid` of a FAKE_QUANT's
-    int8 levels (graph.Tensor.fake_quant), `src` holds those levels and `dst`
-    gets their values, bit for bit those of FAKE_QUANT's float kernel."""
-    if grid is not None:
-        return dequantizer(src, dst, float(grid.scale[0]), int(grid.zero_point[0]))
+    2^-112.  Both contiguous, of one shape.  Given the graph tensor `levels`
+    (graph.Tensor.fake_quant), `src` holds its int8 levels and `dst` gets their
+    values, bit for bit those of its fake-quantization operator's float kernel."""
+    if levels is not None:
+        return dequantizer(src, dst, levels)
     if src.size < SMALL_WIDEN or src.dtype != HALF:
         return lambda: np.copyto(dst, src)
     bits, field = src.view(np.int16), dst.view(np.int32)
@@ -406,10 +406,10 @@ class Rounding:
     tensor: int = -1
 
 
-def wide(a: np.ndarray | None, grid: Quantization | None = None) -> np.ndarray | None:
+def wide(a: np.ndarray | None, levels: Tensor | None = None) -> np.ndarray | None:
     """`a` itself, or float32 scratch of its shape when it holds reduced precision
-    or (given their `grid`) a FAKE_QUANT's int8 levels."""
-    return scratch(a.shape, F32) if a is not None and (reduced(a.dtype) or grid is not None) \
+    or (given their graph tensor `levels`) a fake quantization's int8 levels."""
+    return scratch(a.shape, F32) if a is not None and (reduced(a.dtype) or levels is not None) \
         else a
 
 
@@ -427,15 +427,16 @@ def store(src: np.ndarray, dst: np.ndarray, rounding: Rounding, work=None):
     return copy if rounds is None else in_sequence([rounds, copy])
 
 
-def in_float32(run, inputs: list, outputs: list, roundings: list, grids: list) -> list:
+def in_float32(run, inputs: list, outputs: list, roundings: list, levels: list) -> list:
     """The closures of a kernel over `inputs` and `outputs` that computes in
-    float32: its reduced-precision inputs, and those holding a FAKE_QUANT's int8
-    levels (`grids`: each input's grid, or None), widened into float32 scratch
-    first, its results stored as each output's Rounding says.  `run(wide inputs,
-    wide outputs)` builds the kernel's own closures (within this scratch layout)."""
-    wide_in = [wide(a, grid) for a, grid in zip(inputs, grids)]
+    float32: its reduced-precision inputs, and those holding a fake
+    quantization's int8 levels (`levels`: each input's graph tensor then, else
+    None), widened into float32 scratch first, its results stored as each
+    output's Rounding says.  `run(wide inputs, wide outputs)` builds the
+    kernel's own closures (within this scratch layout)."""
+    wide_in = [wide(a, t) for a, t in zip(inputs, levels)]
     wide_out = [wide(a) for a in outputs]
-    loads = [widen(a, w, grid) for a, w, grid in zip(inputs, wide_in, grids) if w is not a]
+    loads = [widen(a, w, t) for a, w, t in zip(inputs, wide_in, levels) if w is not a]
     steps = run(wide_in, wide_out)
     for a, w, r in zip(outputs, wide_out, roundings):
         if w is not a or reduced(r.declared):

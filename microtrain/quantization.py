@@ -118,8 +118,8 @@ class OpQuantization:
 def op_quantization(g, op) -> OpQuantization | None:
     """The parameters of `op` in graph g when it computes on quantized activations
     (an input it does not hold as a constant, or an output, is quantized), else None.
-    A FAKE_QUANT's int8 levels are float values in storage (graph.Tensor.fake_quant):
-    they do not make an operator integer."""
+    A fake quantization's int8 levels are float values in storage
+    (graph.Tensor.fake_quant): they do not make an operator integer."""
     computed = [g.tensors[i] for i in op.inputs if i >= 0 and g.tensors[i].data is None]
     outputs = [g.tensors[i] for i in op.outputs]
     if not any(t.quantization is not None and not t.fake_quant for t in computed + outputs):

@@ -42,19 +42,20 @@ def tile_rows(g: Graph, op, inputs: list, outputs: list) -> int | None:
     return rows if rows < n else None
 
 
-def tiled(g: Graph, op, inputs: list, outputs: list, rows: int, roundings: list, grids: list):
+def tiled(g: Graph, op, inputs: list, outputs: list, rows: int, roundings: list, levels: list):
     """One closure running `op` on its batch `rows` rows at a time, so that the
     float32 copies of its reduced-precision tensors (and the kernel's own
     scratch) are those of `rows` rows: the batch-shaped inputs are widened
     (or copied) a tile at a time, and row-wise outputs stored a tile at a
     time, while a sum over the rows (a weight gradient) adds the tiles' sums
     and is stored once.  `roundings`: each output's (precision.Rounding);
-    `grids`: each input's grid when it holds a FAKE_QUANT's int8 levels."""
+    `levels`: each input's graph tensor when it holds a fake quantization's int8
+    levels, else None."""
     batch = [t >= 0 and g.tensors[t].shape[:1] == (BATCH,) for t in op.inputs]  # -1: absent
     n = next(a.shape[0] for a, b in zip(inputs, batch) if b)
     tile = lambda a: scratch((rows,) + a.shape[1:], F32)  # noqa: E731
-    wide_in = [tile(a) if b else wide(a, grid) for a, b, grid in zip(inputs, batch, grids)]
-    whole_loads = [widen(a, w, grid) for a, w, b, grid in zip(inputs, wide_in, batch, grids)
+    wide_in = [tile(a) if b else wide(a, t) for a, b, t in zip(inputs, batch, levels)]
+    whole_loads = [widen(a, w, t) for a, w, b, t in zip(inputs, wide_in, batch, levels)
                    if not b and w is not a]
     sums = ROWS[op.type] == "sum"
     if sums:
@@ -76,8 +77,8 @@ def tiled(g: Graph, op, inputs: list, outputs: list, rows: int, roundings: list,
     head = lambda w, k: w if len(w) == k else w[:k]  # noqa: E731  (no view per whole tile)
     for lo, hi in spans:
         k = hi - lo
-        tiles += [_loader(a[lo:hi], head(w, k), grid)
-                  for a, w, b, grid in zip(inputs, wide_in, batch, grids) if b]
+        tiles += [_loader(a[lo:hi], head(w, k), t)
+                  for a, w, b, t in zip(inputs, wide_in, batch, levels) if b]
         tiles.append(kernels[k])
         if sums:
             tiles.append(_adder(part, total, first=lo == 0))
@@ -89,9 +90,9 @@ def tiled(g: Graph, op, inputs: list, outputs: list, rows: int, roundings: list,
     return in_sequence(whole_loads + [s for s in tiles if s is not None])
 
 
-def _loader(src: np.ndarray, dst: np.ndarray, grid):
+def _loader(src: np.ndarray, dst: np.ndarray, levels):
     """Widen or copy one tile of a batch-shaped input into float32 scratch."""
-    return widen(src, dst, grid) if reduced(src.dtype) or grid is not None \
+    return widen(src, dst, levels) if reduced(src.dtype) or levels is not None \
         else (lambda: np.copyto(dst, src))
 
 

@@ -1,6 +1,7 @@
-"""The planned RAM of training a full-integer model with its FAKE_QUANT outputs stored
-as int8 levels (what split writes) against storing them in float32 (as before), by
-batch size: the table of docs/quantization.md's "Memory".  A measurement, not a test.
+"""The planned RAM of training a full-integer model with its fake-quantized activations
+and weights (FAKE_QUANT and FakeQuantPerChannel outputs) stored as int8 levels (what
+split writes) against storing them in float32 (as before), by batch size: the table of
+docs/quantization.md's "Memory".  A measurement, not a test.
 
     python scripts/int8_storage_table.py [MODEL] [--batch 1 --batch 32]
 
@@ -20,15 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 from microtrain.graph import graph_of  # noqa: E402
-from trainconf import quantize  # noqa: E402
 from trainconf.split import split  # noqa: E402
 
 CACHE = Path(os.environ.get("TRAINCONF_REAL_MODELS", "/work/cache/real_models"))
 
 
 def planned(model: Path, batch: int, levels: bool) -> dict:
-    """split's `memory` at `batch`; `levels` False: FAKE_QUANT outputs left float32."""
-    as_float = mock.patch.object(quantize, "store_levels", graph_of)
+    """split's `memory` at `batch`; `levels` False: fake-quantized tensors left float32."""
+    as_float = mock.patch("trainconf.split.store_levels", graph_of)
     with tempfile.TemporaryDirectory() as out, contextlib.nullcontext() if levels else as_float:
         return split(model, out, batch_size=batch).memory
 

@@ -55,26 +55,67 @@ def test_int8_levels_hold_the_float_kernels_values(lo, hi):
     (litert,) = tflite_run("FAKE_QUANT", [x], [x.shape], min=lo, max=hi, num_bits=8)
     np.testing.assert_array_equal(levels, np.round(litert / scale) + zero)
     assert levels.min() == -128 and levels.max() == 127  # both clamped ends are stored
-    widened = np.full(x.shape, np.nan, np.float32)
-    widen(levels, widened, Quantization(scale, zero))()
-    np.testing.assert_array_equal(widened.view(np.uint32), values.view(np.uint32))
+    assert_widens_to(levels, values, Quantization(scale, zero), "FAKE_QUANT")
+
+
+def assert_widens_to(levels: np.ndarray, values: np.ndarray, grid: Quantization, writer: str):
+    """precision.widen of the int8 `levels` of a tensor `writer` wrote on `grid`
+    gives the float32 `values`, to the bit (but a −0.0, which a level cannot
+    hold: a weight rounded to zero from below, widened to +0.0)."""
+    tensor = Tensor(0, "y", levels.shape, levels.dtype, quantization=grid, fake_quant=writer)
+    widened = np.full(levels.shape, np.nan, np.float32)
+    widen(levels, widened, tensor)()
+    np.testing.assert_array_equal(widened.view(np.uint32), (values + 0.0).view(np.uint32))
+
+
+@pytest.mark.parametrize("axis", [0, 3])
+def test_per_channel_int8_levels_hold_the_float_kernels_values(axis):
+    """FakeQuantPerChannel writing int8 stores round(W/s) clamped to ±127 (torch's
+    levels), which widen to its float32 output, to the bit."""
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((4, 3, 3, 5)).astype(np.float32)
+    scales = (np.abs(w).max(axis=tuple(a for a in range(4) if a != axis)) / 160).astype(np.float32)
+    (values,) = run("FakeQuantPerChannel", [w, scales], [w.shape], np.float32, axis=axis)
+    (levels,) = run("FakeQuantPerChannel", [w, scales], [w.shape], np.int8, axis=axis)
+    shape = [1] * 4
+    shape[axis] = len(scales)
+    torch_values = torch.fake_quantize_per_channel_affine(
+        torch.tensor(w), torch.tensor(scales), torch.zeros(len(scales), dtype=torch.int32), axis,
+        -127, 127).numpy()
+    want = np.round(torch_values / scales.reshape(shape))
+    np.testing.assert_array_equal(levels, want)
+    assert np.abs(levels).max() == 127  # some clamped
+    assert_widens_to(levels, values, Quantization(scales, 0, axis), "FakeQuantPerChannel")
 
 
 def _stored(scale: float, zero: int, **options) -> tuple[Graph, Op]:
     """A graph of one FAKE_QUANT storing its output as int8 of grid (scale, zero)."""
     x = Tensor(0, "x", (-1, 4), np.dtype(np.float32))
     y = Tensor(1, "y", (-1, 4), np.dtype(np.int8), quantization=Quantization(scale, zero),
-               fake_quant=True)
+               fake_quant="FAKE_QUANT")
     op = Op(0, "FAKE_QUANT", [0], [1], {"min": -1.0, "max": 2.0, "num_bits": 8, **options})
     return Graph([x, y], [op], [0], [1]), op
+
+
+def _stored_weight(scales, zero: int = 0, axis: int = 0, **options) -> tuple[Graph, Op]:
+    """A graph of one FakeQuantPerChannel storing a [2, 3] weight as int8."""
+    w = Tensor(0, "w", (2, 3), np.dtype(np.float32))
+    s = Tensor(1, "s", (2,), np.dtype(np.float32), np.float32([0.5, 0.25]))
+    y = Tensor(2, "y", (2, 3), np.dtype(np.int8), quantization=Quantization(scales, zero, axis),
+               fake_quant="FakeQuantPerChannel")
+    op = Op(0, "FakeQuantPerChannel", [0, 1], [2], {"axis": 0, "num_bits": 8, **options})
+    return Graph([w, s, y], [op], [0], [2]), op
 
 
 def test_int8_levels_must_declare_their_grid():
     scale, zero = scale_zero_point(-1.0, 2.0)
     assert levels_problem(*_stored(scale, zero)) is None
+    assert levels_problem(*_stored_weight([0.5, 0.25])) is None
     for problem in (_stored(scale, zero + 1), _stored(scale * 1.001, zero),
-                    _stored(scale, zero, narrow_range=True)):
-        assert "stores tensor 1 'y' as int8" in levels_problem(*problem)
+                    _stored(scale, zero, narrow_range=True), _stored_weight([0.5, 0.5]),
+                    _stored_weight([0.5, 0.25], zero=1), _stored_weight([0.5, 0.25], axis=1),
+                    _stored_weight([0.5, 0.25], num_bits=32)):
+        assert "stores tensor" in levels_problem(*problem) and "as int8" in levels_problem(*problem)
 
 
 def test_scale_and_zero_point_round_trip():

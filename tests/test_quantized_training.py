@@ -21,7 +21,6 @@ from test_export_int8 import litert_invoked
 from test_memory_plan import assert_plan_is_held
 from test_split_gradients import relative_error
 from torch_reference import reference_gradients
-from trainconf import quantize
 from trainconf.inspect import describe
 from trainconf.quantize import QuantSpec, record_of
 from trainconf.split import split
@@ -232,7 +231,7 @@ def _int8_and_float_storage(model: Path, calibration, tmp_path, monkeypatch, **o
     spec = QuantSpec(calibration and "int8", calibration)
     splits = [split(model, tmp_path / "int8", quant=spec, **options)]
     with monkeypatch.context() as m:
-        m.setattr(quantize, "store_levels", graph_of)
+        m.setattr("trainconf.split.store_levels", graph_of)
         splits.append(split(model, tmp_path / "float", quant=spec, **options))
     g = graph_of(load_model(splits[0].frozen))
     rng = np.random.default_rng(0)

@@ -110,12 +110,12 @@ class Builder:
 
 def stand_in(src: Tensor, index: int, name: str | None = None) -> Tensor:
     """A backprop tensor standing for forward tensor `src` (its value, not its
-    data): of its shape and type, a FAKE_QUANT's int8 levels with their grid."""
+    data): of its shape and type, a fake quantization's int8 levels with their grid."""
     return replace(src, index=index, name=src.name if name is None else name, data=None)
 
 
 def _is_float(t: Tensor) -> bool:
-    """Whether t holds real values: floats, or a FAKE_QUANT's int8 levels."""
+    """Whether t holds real values: floats, or a fake quantization's int8 levels."""
     return np.issubdtype(t.dtype, np.floating) or reduced(t.dtype) or t.fake_quant
 
 

@@ -376,7 +376,7 @@ def prepare(model, g: Graph, spec: QuantSpec, record: Record | None, batch: int)
         return g
     g = fake_quantize_activations(model, g, record, batch)
     set_metadata(model, METADATA, record.to_json())
-    return store_levels(model)
+    return g
 
 
 def round_weights(model) -> None:
@@ -401,17 +401,24 @@ def round_weights(model) -> None:
 # ---------------------------------------------------------------- int8 storage
 
 def store_levels(model) -> Graph:
-    """Declare the output of each FAKE_QUANT of 8 bits int8 on its grid, but a
-    model output (the loss and the metrics read it): the runtime then stores its
-    levels, a byte each, its readers seeing the very float32 values (the writer
-    and the plan count one byte; graph.Tensor.fake_quant, schemas/quantization.md)."""
+    """Declare the output of each fake quantization of 8 bits (FAKE_QUANT's
+    activations, FakeQuantPerChannel's weights) int8 on its grid, but a model
+    output (the loss and the metrics read it): the runtime then stores its
+    levels, a byte each, its readers seeing the very float32 values (the plan
+    counts one byte; graph.Tensor.fake_quant, schemas/quantization.md)."""
     g = graph_of(model)
     sg = model.subgraphs[0]
     for op in g.ops:
-        t = op.outputs[0]
-        if op.type == "FAKE_QUANT" and t not in g.outputs and op.options["num_bits"] == 8 \
-                and not op.options["narrow_range"]:
-            sg.tensors[t].type = circle.TensorType.INT8
-            sg.tensors[t].quantization = circle_quantization(
-                *scale_zero_point(op.options["min"], op.options["max"]))
+        t, options = op.outputs[0], op.options
+        if t in g.outputs or options.get("num_bits") != 8 or options.get("narrow_range"):
+            continue
+        if op.type == "FAKE_QUANT":
+            grid = scale_zero_point(options["min"], options["max"])
+        elif op.type == "FakeQuantPerChannel":
+            scales = g.tensors[op.inputs[1]].data
+            grid = scales, np.zeros(len(scales), np.int64), options["axis"]
+        else:
+            continue
+        sg.tensors[t].type = circle.TensorType.INT8
+        sg.tensors[t].quantization = circle_quantization(*grid)
     return graph_of(model)

@@ -31,7 +31,8 @@ from .batch import FixedBatch, infer_batch
 from .memory import measure_scratch, peak, plan_memory, scratch_points
 from .operators import FOLDS, ROW_GRADS
 from .recompute import default_mode, recompute as recompute_backprop, summary as recompute_summary
-from .quantize import QuantSpec, fake_quantize_weights, from_integer, prepare, record_of
+from .quantize import (QuantSpec, fake_quantize_weights, from_integer, prepare, record_of,
+                       store_levels)
 from .hoist import hoist_input_projections
 from .recurrent import lower_recurrent
 from .lora import LoraSpec, add_adapters
@@ -384,6 +385,7 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
     record = record_of(model)
     if record is not None:
         g = fake_quantize_weights(model, g, record, weights, model_batch)
+        g = store_levels(model)
     loss = loss or default_loss(g)
     chosen = LossSpec(loss, reduction, ignore_index, from_logits)
     check_loss(g, chosen)

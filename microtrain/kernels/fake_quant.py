@@ -8,16 +8,19 @@ range so that 0 is exactly representable.  FakeQuantPerChannel rounds a weight
 −qmax..qmax with qmax = 2^(bits−1) − 1, as TFLite's int8 weights (bits 8) and
 int32 biases (bits 32).  Both round half away from zero, as TFLite does.
 
-A FAKE_QUANT whose output is int8 stores the level of each value instead of the
-value (schemas/quantization.md, "int8 storage"): level q of the int8 grid
-(scale, zero point) is FAKE_QUANT's level q + 128, whose float32 value
-(q + 128)·scale + nudged min `dequantizer` computes as the float kernel does, so a
-reader sees the very values the float32 output would hold.
+Either, given an int8 output, stores the level of each value instead of the value
+(schemas/quantization.md, "int8 storage"): level q of FAKE_QUANT's int8 grid
+(scale, zero point) is its level q + 128, of float32 value (q + 128)·scale +
+nudged min; FakeQuantPerChannel's level q has the value q·s (of 8 bits).
+`dequantizer` computes those values as the float kernels do, so a reader sees the
+very values a float32 output would hold.
 
 Their gradients are straight-through estimators with a clamp mask: dY passes
 where the rounded level of X is representable, 0 elsewhere (the level taken
 before clamping, as torch.fake_quantize_per_*_affine define it).
 """
+from functools import partial
+
 import numpy as np
 
 from . import kernel
@@ -85,11 +88,16 @@ def _to_values(levels: np.ndarray, scale: float, lo: float) -> None:
     np.add(levels, levels.dtype.type(lo), out=levels)
 
 
-def dequantizer(src: np.ndarray, dst: np.ndarray, scale: float, zero_point: int):
+def dequantizer(src: np.ndarray, dst: np.ndarray, levels):
     """A closure writing into the float32 array `dst` the values of the int8
-    levels `src` of FAKE_QUANT's grid (scale, zero point): those its float
-    kernel computes, bit for bit."""
-    lo = float(np.float32(-LEVEL_OFFSET - zero_point) * np.float32(scale))  # nudged min
+    levels `src` of graph tensor `levels` (its fake_quant operator and grid):
+    those the operator's float kernel computes, bit for bit."""
+    q = levels.quantization
+    if levels.fake_quant == "FakeQuantPerChannel":  # a float64 product, as the kernel's
+        scales = q.along(q.scale, src.ndim).astype(np.float64)
+        return partial(np.multiply, src, scales, out=dst, casting="unsafe")
+    scale = float(q.scale[0])
+    lo = float(np.float32(-LEVEL_OFFSET - int(q.zero_point[0])) * np.float32(scale))  # nudged min
 
     def step():
         np.add(src, OFFSET, out=dst)
@@ -98,18 +106,26 @@ def dequantizer(src: np.ndarray, dst: np.ndarray, scale: float, zero_point: int)
 
 
 def levels_problem(g, op) -> str | None:
-    """Why FAKE_QUANT `op` of graph g cannot store its output as int8 levels
-    (None: it can, or its output is a float)."""
+    """Why fake-quantization `op` of graph g cannot store its output as int8
+    levels (None: it can, or its output is a float)."""
     t = g.tensors[op.outputs[0]]
     if not t.fake_quant:
         return None
-    want = scale_zero_point(op.options.get("min", 0.0), op.options.get("max", 0.0))
-    q = t.quantization
-    if op.options.get("num_bits", 8) != 8 or op.options.get("narrow_range", False) or q is None \
-            or q.scale.size != 1 or (float(q.scale[0]), int(q.zero_point[0])) != want:
+    q, options = t.quantization, op.options
+    if op.type == "FAKE_QUANT":
+        want = scale_zero_point(options.get("min", 0.0), options.get("max", 0.0))
+        fits = not options.get("narrow_range", False) and q is not None and q.scale.size == 1 \
+            and (float(q.scale[0]), int(q.zero_point[0])) == want
+        grid = f"scale {want[0]!r}, zero point {want[1]}"
+    else:
+        scales = g.tensors[op.inputs[1]]  # a constant, or linked to the forward graph's
+        fits = q is not None and q.axis == options.get("axis", 0) and not q.zero_point.any() \
+            and q.scale.shape == scales.shape and (scales.data is None
+                                                   or np.array_equal(q.scale, scales.data))
+        grid = "its scales along its axis, zero points 0"
+    if options.get("num_bits", 8) != 8 or not fits:
         return (f"stores tensor {t.index} '{t.name}' as int8, which needs 8 bits without "
-                f"narrow range and the grid of its range declared (scale {want[0]!r}, zero "
-                f"point {want[1]})")
+                f"narrow range and its grid declared ({grid})")
     return None
 
 
@@ -150,7 +166,8 @@ def fake_quant_per_channel(inputs, outputs, axis=0, num_bits=8, **_):
 
     def step():
         s = _per_channel(w, scales, axis)
-        y[...] = np.clip(symmetric_levels(w, s), -qmax, qmax) * s
+        levels = np.clip(symmetric_levels(w, s), -qmax, qmax)
+        y[...] = levels if y.dtype == np.int8 else levels * s  # int8: the levels (see above)
     return step
 
 
