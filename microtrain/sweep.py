@@ -33,11 +33,10 @@ from .threads import limit_blas_threads, require_threadpoolctl, share_of_cores
 from .errors import UserError
 from .files import check_output
 from .metrics import HIGHER_IS_BETTER
-from .run_config import SWEEPABLE, RunConfig, convert
+from .run_config import FILE, SWEEPABLE, RunConfig, check_options, convert, option
 from .trainer import TrainingDiverged
 
 LOG_VERSION = 1
-SEARCHES = ("grid", "random", "tpe")
 OPTUNA_HINT = "pip install 'trainconf-microtrain[search]'"
 
 
@@ -232,14 +231,39 @@ class Start:
     config: RunConfig
 
 
-@dataclass
+@dataclass(frozen=True)
 class Settings:
-    search: str = "grid"          # grid, random or tpe
-    trials: int | None = None     # random and tpe: how many
-    seed: int = 0                 # sampling, and every trial's data order unless seed is swept
-    jobs: int = 1                 # worker processes
-    halving: bool = False         # successive halving over the grid/random candidates
-    log: Path | None = None       # default: STEM.sweep.jsonl beside the model
+    """How `microtrain sweep` searches: its own options (the run's are a RunConfig)."""
+    random: int | None = option("Sample this many combinations (seeded by --seed). Default: "
+                                "the full grid.", type=click.IntRange(1))
+    search: str = option(
+        "grid: every combination (or --random's sample); tpe: Optuna's model-based search of "
+        "--trials trials, pruning hopeless ones after each epoch (optional extra [search]).",
+        "grid", type=click.Choice(["grid", "tpe"]))
+    trials: int = option("Trials of --search tpe.", 20, type=click.IntRange(1))
+    halving: bool = option(
+        "Successive halving: every combination trains a few epochs, the better half goes on "
+        "(from its checkpoint) to twice as many, until the full --epochs. Default: every trial "
+        "trains the full --epochs.", False, type=bool)
+    seed: int = option("Seed of the sampling and of every trial's data order (unless seed is "
+                       "swept).", 0, type=int)
+    jobs: int = option("Trials run at once, in worker processes, each with its share of the "
+                       "cores for BLAS (optional extra [parallel]).", 1, type=click.IntRange(1))
+    log: str | None = option("The sweep's JSON Lines log; a sweep given an existing log resumes "
+                             "it. Default: STEM.sweep.jsonl beside the frozen model.", type=FILE)
+
+    def __post_init__(self):
+        check_options(self)
+        if self.random and self.search == "tpe":
+            raise UserError(None, "give either --random N or --search tpe")
+        if self.search == "tpe" and (self.jobs > 1 or self.halving):
+            raise UserError(None, "--search tpe runs one trial at a time and prunes it epoch "
+                                  "by epoch itself: leave out --jobs and --halving")
+
+    @property
+    def method(self) -> str:
+        """grid, random or tpe, as the log records it."""
+        return "random" if self.random else self.search
 
 
 class Sweep:
@@ -261,9 +285,6 @@ class Sweep:
         if both:
             raise UserError(None, f"--{both[0]} is given both as an option and in --grid: give "
                                   "one value (fixed) or the values to sweep, not both")
-        if settings.search == "tpe" and (settings.jobs > 1 or settings.halving):
-            raise UserError(None, "--search tpe runs one trial at a time and prunes it epoch "
-                                  "by epoch itself: leave out --jobs and --halving")
         self.base = config if "seed" in keys else replace(config, seed=settings.seed)
         self.candidates = self._candidates()
         trainer, xs, ts, test = session.prepare(self.base)
@@ -278,7 +299,7 @@ class Sweep:
         self.best_path = self._beside_log(".best.wof")
         self.work = self._beside_log(".trials")
         self.start = self._keep_start(Path(trainer.art.wof_path))
-        header = {"event": "sweep", "version": LOG_VERSION, "search": settings.search,
+        header = {"event": "sweep", "version": LOG_VERSION, "search": settings.method,
                   "halving": settings.halving, "space": {a.key: a.describe() for a in self.axes},
                   "trials": self.count(), "seed": settings.seed,
                   "command": self.command({}), "metric": self.metric, "judged_on": self.judged_on,
@@ -312,10 +333,10 @@ class Sweep:
     # -- trials -------------------------------------------------------------------------------
     def _candidates(self) -> list[dict] | None:
         s = self.settings
-        if s.search == "grid":
+        if s.method == "grid":
             return grid(self.axes)
-        if s.search == "random":
-            return random_sample(self.axes, s.trials, s.seed)
+        if s.method == "random":
+            return random_sample(self.axes, s.random, s.seed)
         return None  # tpe asks Optuna one trial at a time
 
     def count(self) -> int:
@@ -458,7 +479,7 @@ class Sweep:
         if self.log.summary:
             return self.log.summary
         self.work.mkdir(exist_ok=True)
-        if self.settings.search == "tpe":
+        if self.settings.method == "tpe":
             self._run_tpe(on_trial)
         elif self.settings.halving:
             self._run_halving(on_trial)
@@ -500,7 +521,7 @@ class Sweep:
         saved = best is not None and best["improved"]
         counts = {s: sum(r["status"] == s for r in ranked) for s in ("ok", "pruned", "diverged",
                                                                      "failed")}
-        return {"event": "summary", "search": self.settings.search, "metric": self.metric,
+        return {"event": "summary", "search": self.settings.method, "metric": self.metric,
                 "judged_on": self.judged_on, "initial": self.header["baseline"],
                 "trials": len(ranked), **counts,
                 "best": None if best is None else {k: best[k] for k in ("trial", "params",
