@@ -213,7 +213,9 @@ class Trainer:
                    plain=plain, **config.hyperparameters())
 
     # -- data ---------------------------------------------------------------------------------
-    def _plan(self, rows: int) -> Plan:
+    def plan(self, rows: int) -> Plan:
+        """The compiled step (forward, backward and loss closures, input and output
+        views) of a run of the graph on `rows` rows; compiled once, then kept."""
         if rows not in self._plans:
             self._plans[rows] = compile_plan(self.art, self.memory, rows, self.hooks)
         return self._plans[rows]
@@ -264,7 +266,7 @@ class Trainer:
         """Inputs and targets as arrays that fit the model; `names` (input names, target
         names) name them in errors, e.g. their files."""
         names = names or (None, None)
-        plan = self._plan(self.run_rows)
+        plan = self.plan(self.run_rows)
         xs = self._expect(inputs, plan.inputs, "input", names[0], self._input_quantization())
         for i, t in enumerate(self.art.forward.inputs):
             if t in self.art.training.vocab:
@@ -290,7 +292,7 @@ class Trainer:
         """Add the batch of `rows` rows now in its plan to `totals`: its loss, metric
         and, for a language model, its cross-entropy summed over counted tokens."""
         if rows not in self._meters:
-            plan = self._plan(rows)
+            plan = self.plan(rows)
             with sharing(self.memory.workspace):
                 self._meters[rows] = bind(self.metric, plan.outputs, plan.targets,
                                           self.art.training)
@@ -384,7 +386,7 @@ class Trainer:
         accumulating, the update once every `accum_steps` batches); their loss and
         metric go into `totals`."""
         for part in self._parts(idx):
-            plan = self._plan(len(part))
+            plan = self.plan(len(part))
             self._load(plan, xs, ts, part)
             weight = self._weight(len(part))
             self._run_weight = np.float32(weight)
@@ -534,7 +536,7 @@ class Trainer:
         loss, grads, total = 0.0, np.zeros(self.memory.dense_size, np.float32), 0
         tables = {t: np.zeros_like(self.memory.param_views[t]) for t in self.memory.lazy}
         for part in self._parts(np.arange(len(xs[0]))):
-            plan = self._plan(len(part))
+            plan = self.plan(len(part))
             self._load(plan, xs, ts, part)
             plan.run_forward()
             # reordered, each gradient is copied out where its update would run
@@ -572,7 +574,7 @@ class Trainer:
             raise UserError(self.art.frozen_path, "evaluation needs the backprop graph (its loss)")
         totals = Totals()
         for idx in self._batches(len(xs[0])):
-            plan = self._plan(len(idx))
+            plan = self.plan(len(idx))
             self._load(plan, xs, ts, idx)
             plan.run_forward()
             plan.run_loss()
@@ -583,11 +585,11 @@ class Trainer:
     def predict(self, inputs) -> list[np.ndarray]:
         xs, _ = self.check_data(inputs)
         n = len(xs[0])
-        plan = self._plan(self.run_rows)
+        plan = self.plan(self.run_rows)
         outs = [np.empty((n,) + o.shape[1:], o.dtype if o.dtype.kind in "biu" else np.float32)
                 for o in plan.outputs]
         for idx in self._batches(n):
-            plan = self._plan(len(idx))
+            plan = self.plan(len(idx))
             self._load(plan, xs, [], idx)
             plan.run_forward()
             for out, o in zip(outs, plan.outputs):
@@ -638,7 +640,7 @@ class Trainer:
     def set_params(self, flat: np.ndarray) -> None:
         """Replace the flat fp32 master weights (e.g. from a checkpoint) and the
         working copy the graphs read."""
-        self._plan(self.run_rows)  # the fp16 working copy is rounded by the plan's closures
+        self.plan(self.run_rows)  # the fp16 working copy is rounded by the plan's closures
         self.memory.params[...] = flat
         self.memory.refresh_weights()
 
