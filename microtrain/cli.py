@@ -38,7 +38,8 @@ def run(as_json, force, wait, **fields):
     config = RunConfig(**fields)
     with locked([config.frozen, session.check_run_outputs(config, force)], wait):
         summary = session.run(config, on_epoch=_epoch_printer(as_json), force=force,
-                              progress=_progress if sys.stderr.isatty() and not as_json else None)
+                              progress=_progress if sys.stderr.isatty() and not as_json else None,
+                              warn=lambda line: click.echo(f"warning: {line}", err=True))
     if as_json:
         print_json(summary)
     else:

@@ -123,10 +123,16 @@ def check_run_outputs(config: RunConfig, force: bool = False) -> Path:
     return Path(target)
 
 
-def run(config: RunConfig, on_epoch=None, progress=None, force: bool = False) -> dict:
-    """Train as `microtrain run`; returns the summary."""
+def run(config: RunConfig, on_epoch=None, progress=None, force: bool = False,
+        warn=None) -> dict:
+    """Train as `microtrain run`; returns the summary.  `warn(line)` is told when
+    the run holds other memory than the split planned."""
     check_run_outputs(config, force)
     trainer, xs, ts, test = prepare(config)
+    unplanned = trainer.unplanned()
+    if warn and unplanned:
+        warn(f"{config.frozen}: the plan assumed {' and '.join(unplanned)}; held memory will "
+             "differ from the planned peak")
     judge = test or (xs, ts)
     run_state = RunState(baseline={}, batch_size=trainer.batch_size,
                          data_sha256=data_digest(xs + ts),

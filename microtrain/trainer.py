@@ -2,13 +2,13 @@
 import functools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from .arena import held_bytes
-from .contracts import LossScaleState, ShufflerState
+from .contracts import LossScaleState, PlannedRun, ShufflerState
 from .artifacts import load_artifacts
 from .data import Holding, batch_indices, check_ids, check_values, hold
 from .errors import UserError
@@ -599,6 +599,20 @@ class Trainer:
     def improved(self, before: dict, after: dict) -> bool:
         key = self.metric
         return after[key] > before[key] if HIGHER_IS_BETTER[key] else after[key] < before[key]
+
+    def unplanned(self) -> list[str]:
+        """The options this trainer runs with that differ from those the split's
+        memory plan assumed, as the plan's values (e.g. "--accum-steps 1"): the
+        memory held then differs from the plan.  [] when they agree, or for files
+        that do not record them."""
+        planned = self.art.training.planned_for
+        if planned is None:
+            return []
+        ours = PlannedRun(self.scaler.kind, self.accum_steps, self.embedding_update)
+        return [f"--{f.name.replace('_', '-')} " + ("N (a static scale)" if value == "static"
+                                                    else str(value))
+                for f in fields(planned)
+                if (value := getattr(planned, f.name)) != getattr(ours, f.name)]
 
     # -- state --------------------------------------------------------------------------------
     def state(self) -> TrainerState:

@@ -14,7 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from microtrain.arena import linear
-from microtrain.artifacts import BACKPROP_META, UNSEALED, load_artifacts, seal
+from microtrain.artifacts import BACKPROP_META, UNSEALED, fingerprint, load_artifacts, seal
+from microtrain.contracts import TrainingMeta
 from microtrain.errors import UserError
 from microtrain.format.model import get_metadata, load_model, model_to_bytes, set_metadata
 from microtrain.graph import concrete_shape
@@ -150,14 +151,19 @@ def edit_plan(frozen: Path, folder: Path, change) -> Path:
     """A copy of the split files in `folder` whose backprop metadata went through `change`."""
     for f in frozen.parent.glob(frozen.name.replace(".frozen.circle", ".*")):
         shutil.copy(f, folder / f.name)
-    path = folder / frozen.name.replace(".frozen.circle", ".backprop.circle")
+    _edit_links(folder / frozen.name, change)
+    return folder / frozen.name
+
+
+def _edit_links(frozen: Path, change) -> None:
+    """Put the backprop metadata beside `frozen` through `change`, sealed again."""
+    path = frozen.with_name(frozen.name.replace(".frozen.circle", ".backprop.circle"))
     model = load_model(path)
     meta = json.loads(get_metadata(model, BACKPROP_META))
     change(meta)
     meta["backprop_sha256"] = UNSEALED  # sealed again, as trainconf would
     set_metadata(model, BACKPROP_META, json.dumps(meta).encode())
     path.write_bytes(seal(model_to_bytes(model)))
-    return folder / frozen.name
 
 
 def without_plan(frozen: Path, folder: Path) -> Path:
@@ -579,3 +585,55 @@ def test_a_damaged_gradient_plan_is_refused(splits, tmp_path, change, error):
     x, t = data("mlp", 4)
     with pytest.raises(UserError, match=error):
         Trainer(frozen, batch_size=4).gradients([x], [t])
+
+
+# -- what the plan assumed of the run -------------------------------------------------------------
+
+def _without_planned_for(frozen: Path, folder: Path) -> Path:
+    """A copy of the split files as written before the plan's assumptions were recorded."""
+    copy = edit_plan(frozen, folder, lambda meta: None)
+    model = load_model(copy)
+    training = json.loads(get_metadata(model, TrainingMeta.NAME))
+    del training["planned_for"]
+    set_metadata(model, TrainingMeta.NAME, json.dumps(training).encode())
+    data = model_to_bytes(model)
+    copy.write_bytes(data)
+    _edit_links(copy, lambda meta: meta.update(frozen_sha256=fingerprint(data)))
+    return copy
+
+
+def _run(frozen: Path, *options: str):
+    x, t = (str(FIXTURES / f"{f}.npy") for f in FILES["mlp"])
+    from microtrain.cli import main as microtrain_main
+    return CliRunner().invoke(microtrain_main, [
+        "run", str(frozen), "--input", x, "--target", t, "--epochs", "1", "--seed", "0",
+        "--json", "--output-wof", str(frozen.with_name("out.wof")), *options])
+
+
+def test_a_run_other_than_planned_says_so_in_one_line(tmp_path):
+    from microtrain.contracts import PlannedRun
+    result = split(FIXTURES / "mlp.tflite", tmp_path, loss_scale="128", accum_steps=2)
+    assert load_artifacts(result.frozen).training.planned_for == PlannedRun("static", 2, "dense")
+    inspected = CliRunner().invoke(main, ["inspect", str(result.frozen), "--json"])
+    assert json.loads(inspected.stdout)["trainable"]["planned_for"] == \
+        {"loss_scale": "static", "accum_steps": 2, "embedding_update": "dense"}
+    as_planned = _run(result.frozen, "--loss-scale", "512", "--accum-steps", "2")
+    assert as_planned.exit_code == 0 and as_planned.stderr == ""
+    other = _run(result.frozen, "--accum-steps", "1")
+    assert other.exit_code == 0, other.output
+    assert other.stderr == (f"warning: {result.frozen}: the plan assumed --loss-scale N (a static "
+                            f"scale) and --accum-steps 2; held memory will differ from the "
+                            f"planned peak\n")
+    held = json.loads(other.stdout.splitlines()[-1])["memory_bytes"]
+    assert held < 0.98 * result.memory["ram"]  # the warning is no false alarm
+
+
+def test_files_without_the_plans_assumptions_load_and_run_quietly(tmp_path):
+    result = split(FIXTURES / "mlp.tflite", tmp_path / "split")
+    (tmp_path / "old").mkdir()
+    old = _without_planned_for(result.frozen, tmp_path / "old")
+    assert load_artifacts(old).training.planned_for is None
+    inspected = CliRunner().invoke(main, ["inspect", str(old), "--json"])
+    assert json.loads(inspected.stdout)["trainable"]["planned_for"] is None
+    run = _run(old, "--accum-steps", "2")
+    assert run.exit_code == 0 and run.stderr == "", run.output
