@@ -231,15 +231,33 @@ def test_the_frozen_model_is_read_in_place(splits):
     assert result.memory["ram"] < result.memory["read_only"] / 3
 
 
-@pytest.mark.parametrize("model,budget", [("mlp", "24KB"), ("mlp", "60KB"), ("cnn", "134KB")])
-def test_frozen_rows_are_read_in_place(tmp_path, model, budget):
+def budget_between(model: Path, folder: Path, lower: str, upper: str, **options) -> int:
+    """A --memory-budget halfway between the planned RAM of two --trainable choices,
+    each planned as a budget's split plans them (compact scratch) and without
+    recomputation: a split under it without recomputation trains more than `lower`
+    and less than `upper`, e.g. some rows of a layer between last:1 and last:2."""
+    return sum(split(model, folder / f"plan {choice}", trainable=choice, compact_scratch=True,
+                     recompute="none", **options).memory["ram"] for choice in (lower, upper)) // 2
+
+
+def partial_rows(frozen: Path) -> tuple[int, int]:
+    """(tensor, first trained row) of the weight of which a split trains some rows."""
+    ((kernel, (lo, _)),) = load_artifacts(frozen).training.rows.items()
+    return kernel, lo
+
+
+@pytest.mark.parametrize("model,lower,upper", [("mlp", "biases", "last:1"),
+                                               ("mlp", "last:1", "last:2"),
+                                               ("cnn", "last:1", "last:2")])
+def test_frozen_rows_are_read_in_place(tmp_path, model, lower, upper):
     """A budget that trains some output channels of a kernel: its other rows stay
     in the .wof, mapped (only the trained elements are RAM), and still read as the
     file holds them after training."""
-    result = split(FIXTURES / f"{model}.tflite", tmp_path, memory_budget=budget)
+    path = FIXTURES / f"{model}.tflite"
+    result = split(path, tmp_path, memory_budget=budget_between(path, tmp_path, lower, upper),
+                   recompute="none")
     trainer = Trainer(result.frozen, batch_size=32)
-    kernel = trainer.art.training.trainable[0]
-    lo = trainer.art.training.rows[kernel][0]
+    kernel, lo = partial_rows(result.frozen)
     frozen_bytes = trainer.weights()[kernel][:lo].nbytes
     original = load_artifacts(result.frozen).weights[kernel][:lo].copy()
     x, t = data(model, 64)
@@ -350,11 +368,16 @@ def _diverge(trainer: Trainer, x, t) -> str:
     return str(error.value)
 
 
-@pytest.mark.parametrize("budget", [None, "24KB"])
-def test_a_diverged_run_restores_the_saved_weights_from_the_file(tmp_path, budget):
+@pytest.mark.parametrize("some_rows", [False, True])
+def test_a_diverged_run_restores_the_saved_weights_from_the_file(tmp_path, some_rows):
     """By default no copy of the weights is held: a run whose weights became
-    inf gets back those of the .wof last saved (or read)."""
-    result = split(FIXTURES / "mlp.tflite", tmp_path, memory_budget=budget, optimizer="sgd")
+    inf gets back those of the .wof last saved (or read), also when it trains
+    some rows of a kernel and reads the others in place."""
+    path = FIXTURES / "mlp.tflite"
+    budget = budget_between(path, tmp_path, "biases", "last:1", optimizer="sgd") \
+        if some_rows else None
+    result = split(path, tmp_path, memory_budget=budget, optimizer="sgd", recompute="none")
+    assert bool(load_artifacts(result.frozen).training.rows) == some_rows
     x, t = data("mlp", 64)
     trainer = Trainer(result.frozen, batch_size=32)
     in_ram = Trainer(result.frozen, batch_size=32, divergence_snapshot="ram")
@@ -410,7 +433,10 @@ def test_a_wof_replaced_while_loading_is_refused(tmp_path):
     its place in between is refused, not trained on."""
     from microtrain.executor import Memory
     from microtrain.format.wof import write_wof
-    result = split(FIXTURES / "mlp.tflite", tmp_path, memory_budget="24KB")
+    path = FIXTURES / "mlp.tflite"
+    result = split(path, tmp_path, memory_budget=budget_between(path, tmp_path, "biases", "last:1"),
+                   recompute="none")
+    partial_rows(result.frozen)
     art = load_artifacts(result.frozen)
     write_wof(result.wof, len(art.forward.tensors), {t: w * 2 for t, w in art.weights.items()})
     with pytest.raises(UserError, match=r"mlp\.wof: was replaced while it was being loaded"):
