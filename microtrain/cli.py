@@ -158,7 +158,9 @@ def plot(logs, output, width, height, as_json):
 @options(EVAL_OPTIONS)
 @JSON_ONE
 def evaluate(as_json, **fields):
-    """Loss and metric of FROZEN + .wof on a data set."""
+    """Loss and metric of FROZEN + .wof on a data set.  FROZEN may also be a .tflite or
+    .circle model no split wrote (as infer runs it): its outputs, dequantized when
+    integer, are judged by cce after a final SOFTMAX (one-hot targets), else mse."""
     result = session.evaluate(RunConfig(**fields))
     if as_json:
         print_json(result)

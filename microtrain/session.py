@@ -184,8 +184,9 @@ def _save(trainer: Trainer, config: RunConfig, baseline: dict, final: dict, hist
 
 
 def evaluate(config: RunConfig) -> dict:
-    """Loss and metric as `microtrain eval`."""
-    trainer = Trainer.from_config(config)
+    """Loss and metric as `microtrain eval`: of a split model, or of a model no split
+    wrote, judged by its outputs (microtrain/output_loss.py)."""
+    trainer = Trainer.from_config(config, plain=True)
     xs, ts = _load_set(config, config.inputs, config.targets, trainer.data_types())
     result = trainer.evaluate(*trainer.check_data(xs, ts, (config.inputs, config.targets)))
     if not math.isfinite(result["loss"]):

@@ -22,6 +22,7 @@ from .precision import Underflow
 from .quantization import quantize
 from .metrics import HIGHER_IS_BETTER, METRICS, bind, default_metric
 from .optimizers import make_optimizer
+from .output_loss import OutputLoss
 from .parameters import FROZEN_MODEL, resolve
 from .schedules import make_schedule
 from .shuffle import Shuffler
@@ -195,6 +196,7 @@ class Trainer:
         # FedProx: (mu, global weights); adds the gradient of mu/2 * ||w - global||^2
         self.proximal: tuple[float, np.ndarray] | None = None
         self._plans: dict[int, Plan] = {}
+        self._output_losses: dict[int, OutputLoss] = {}  # a model no split wrote: _judged
         self._meters: dict[int, Callable[[], tuple[float, int]]] = {}
 
     @classmethod
@@ -219,6 +221,16 @@ class Trainer:
         if rows not in self._plans:
             self._plans[rows] = compile_plan(self.art, self.memory, rows, self.hooks)
         return self._plans[rows]
+
+    def _judged(self, rows: int):
+        """What evaluation runs and reads on `rows` rows: the plan, or for a model no
+        split wrote (it trains nothing and has no backprop graph) an OutputLoss of it."""
+        if self.art.training.trainable:
+            return self.plan(rows)
+        if rows not in self._output_losses:
+            self._output_losses[rows] = OutputLoss(self.plan(rows), self.art.forward,
+                                                   self.loss_name)
+        return self._output_losses[rows]
 
     def _expect(self, arrays: Sequence[np.ndarray], views: list[np.ndarray], what: str,
                 names: Sequence[str] | None, quantized: Sequence = ()) -> list:
@@ -272,7 +284,8 @@ class Trainer:
             if t in self.art.training.vocab:
                 check_ids(names[0][i] if names[0] else f"input {i}", xs[i],
                           self.art.training.vocab[t])
-        ts = [] if targets is None else self._expect(targets, plan.targets, "target", names[1])
+        ts = [] if targets is None else self._expect(targets, self._judged(self.run_rows).targets,
+                                                     "target", names[1])
         if ts and len(ts[0]) != len(xs[0]):
             if names[0] and names[1]:
                 raise UserError(names[1][0], f"holds {len(ts[0])} samples but the input "
@@ -292,7 +305,7 @@ class Trainer:
         """Add the batch of `rows` rows now in its plan to `totals`: its loss, metric
         and, for a language model, its cross-entropy summed over counted tokens."""
         if rows not in self._meters:
-            plan = self.plan(rows)
+            plan = self._judged(rows)
             with sharing(self.memory.workspace):
                 self._meters[rows] = bind(self.metric, plan.outputs, plan.targets,
                                           self.art.training)
@@ -570,11 +583,11 @@ class Trainer:
     def evaluate(self, inputs, targets, checked: bool = False) -> dict:
         """Loss and metric over a whole data set, in batches of the training batch size."""
         xs, ts = (inputs, targets) if checked else self.check_data(inputs, targets)
-        if self.art.backprop is None:
+        if self.art.backprop is None and self.art.training.trainable:
             raise UserError(self.art.frozen_path, "evaluation needs the backprop graph (its loss)")
         totals = Totals()
         for idx in self._batches(len(xs[0])):
-            plan = self.plan(len(idx))
+            plan = self._judged(len(idx))
             self._load(plan, xs, ts, idx)
             plan.run_forward()
             plan.run_loss()

@@ -10,7 +10,7 @@ from microtrain.arena import START_ALIGN
 from microtrain.atomic import PENDING, atomic_write_set
 from microtrain.kernels.workspace import tile_bytes
 from microtrain.lazy import DEFAULT_EMBEDDING_UPDATE
-from microtrain.loss_registry import LOSS_KINDS
+from microtrain.loss_registry import LOSS_KINDS, default_loss
 from microtrain.loss_scale import DEFAULT_LOSS_SCALE, make_loss_scale
 from microtrain.contracts import (GraphLinks, PlannedRun, Precision, TrainingMeta,
                                   TrainingParameters)
@@ -154,12 +154,6 @@ def set_activation_dtype(model, g: Graph, dtype: np.dtype) -> None:
     for t in activations(g):
         g.tensors[t].dtype = dtype
         model.subgraphs[0].tensors[t].type = tensor_type(dtype)
-
-
-def default_loss(g: Graph) -> str:
-    producers = g.producers()
-    last = producers.get(g.outputs[0])
-    return "cce" if last is not None and last.type == "SOFTMAX" else "mse"
 
 
 def cut_weights(model, trainable: list[int]) -> dict[int, np.ndarray]:
