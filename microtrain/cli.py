@@ -8,8 +8,8 @@ from .cli_common import FORCE_OPTION, WAIT_OPTION, CommandGroup, print_json
 from .federated.settings import RUN_OPTIONS, FederatedSettings
 from .files import check_output
 from .lock import locked
-from .run_config import SWEEP_REPLACES, SWEEPABLE, RunConfig, option_fields, options
-from .sweep import Settings, Sweep, table
+from .run_config import (SWEEP_REPLACES, SWEEPABLE, RunConfig, SweepSettings, option_fields,
+                         options)
 
 JSON_LINES = click.option("--json", "as_json", is_flag=True,
                           help="Print JSON only on stdout: one object per line (JSON Lines), "
@@ -91,12 +91,13 @@ def _progress(length: int, label: str):
                    "an option of sweep, fixed for every trial); LOW:HIGH is a range sampled "
                    "log-uniformly (--random, --search tpe). "
                    "Sweepable: " + ", ".join(SWEEPABLE) + ".")
-@options(record=Settings)
+@options(record=SweepSettings)
 def sweep(grid_texts, as_json, force, wait, **fields):
     """Train FROZEN with every combination of --grid (or a sample of them) from the same
     starting weights and data order, rank the trials by the test metric, and write the best
     trial's weights to the .wof if they beat the starting weights."""
-    settings = Settings(**{f.name: fields.pop(f.name) for f in option_fields(Settings)})
+    from .sweep import Sweep, table
+    settings = SweepSettings(**{f.name: fields.pop(f.name) for f in option_fields(SweepSettings)})
     config = RunConfig(**fields)
     with locked([config.frozen, session.check_run_outputs(config, force)], wait):
         job = Sweep(config, grid_texts, settings)

@@ -13,7 +13,8 @@ memory estimates) and `{recorded}` (the record the training parameters come from
 
 The same fields (`option`) and functions (`options`, `check_options`,
 `command_line`, `parse`) serve the records of the commands' own options:
-`federated`'s FederatedSettings and `sweep`'s Settings.
+`federated`'s FederatedSettings and `sweep`'s SweepSettings (here, as sweep.py is an
+optional extra that the command line does not import).
 """
 import os
 import re
@@ -290,6 +291,41 @@ SWEEP_FIXED = ("frozen", "wof", "backprop", "inputs", "input_shapes", "targets",
 SWEEP_REPLACES = ("checkpoint", "resume", "save")
 SWEEPABLE = {flag(f)[2:]: f for f in fields(RunConfig)
              if f.name not in SWEEP_FIXED + SWEEP_REPLACES}
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """How `microtrain sweep` searches: its own options (the run's are a RunConfig)."""
+    random: int | None = option("Sample this many combinations (seeded by --seed). Default: "
+                                "the full grid.", type=click.IntRange(1))
+    search: str = option(
+        "grid: every combination (or --random's sample); tpe: Optuna's model-based search of "
+        "--trials trials, pruning hopeless ones after each epoch (optional extra [search]).",
+        "grid", type=click.Choice(["grid", "tpe"]))
+    trials: int = option("Trials of --search tpe.", 20, type=click.IntRange(1))
+    halving: bool = option(
+        "Successive halving: every combination trains a few epochs, the better half goes on "
+        "(from its checkpoint) to twice as many, until the full --epochs. Default: every trial "
+        "trains the full --epochs.", False, type=bool)
+    seed: int = option("Seed of the sampling and of every trial's data order (unless seed is "
+                       "swept).", 0, type=int)
+    jobs: int = option("Trials run at once, in worker processes, each with its share of the "
+                       "cores for BLAS (optional extra [parallel]).", 1, type=click.IntRange(1))
+    log: str | None = option("The sweep's JSON Lines log; a sweep given an existing log resumes "
+                             "it. Default: STEM.sweep.jsonl beside the frozen model.", type=FILE)
+
+    def __post_init__(self):
+        check_options(self)
+        if self.random and self.search == "tpe":
+            raise UserError(None, "give either --random N or --search tpe")
+        if self.search == "tpe" and (self.jobs > 1 or self.halving):
+            raise UserError(None, "--search tpe runs one trial at a time and prunes it epoch "
+                                  "by epoch itself: leave out --jobs and --halving")
+
+    @property
+    def method(self) -> str:
+        """grid, random or tpe, as the log records it."""
+        return "random" if self.random else self.search
 
 
 def _text(value) -> str:

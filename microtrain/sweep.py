@@ -33,7 +33,7 @@ from .threads import limit_blas_threads, require_threadpoolctl, share_of_cores
 from .errors import UserError
 from .files import check_output
 from .metrics import HIGHER_IS_BETTER
-from .run_config import FILE, SWEEPABLE, RunConfig, check_options, convert, option
+from .run_config import SWEEPABLE, RunConfig, SweepSettings, convert
 from .trainer import TrainingDiverged
 
 LOG_VERSION = 1
@@ -231,45 +231,10 @@ class Start:
     config: RunConfig
 
 
-@dataclass(frozen=True)
-class Settings:
-    """How `microtrain sweep` searches: its own options (the run's are a RunConfig)."""
-    random: int | None = option("Sample this many combinations (seeded by --seed). Default: "
-                                "the full grid.", type=click.IntRange(1))
-    search: str = option(
-        "grid: every combination (or --random's sample); tpe: Optuna's model-based search of "
-        "--trials trials, pruning hopeless ones after each epoch (optional extra [search]).",
-        "grid", type=click.Choice(["grid", "tpe"]))
-    trials: int = option("Trials of --search tpe.", 20, type=click.IntRange(1))
-    halving: bool = option(
-        "Successive halving: every combination trains a few epochs, the better half goes on "
-        "(from its checkpoint) to twice as many, until the full --epochs. Default: every trial "
-        "trains the full --epochs.", False, type=bool)
-    seed: int = option("Seed of the sampling and of every trial's data order (unless seed is "
-                       "swept).", 0, type=int)
-    jobs: int = option("Trials run at once, in worker processes, each with its share of the "
-                       "cores for BLAS (optional extra [parallel]).", 1, type=click.IntRange(1))
-    log: str | None = option("The sweep's JSON Lines log; a sweep given an existing log resumes "
-                             "it. Default: STEM.sweep.jsonl beside the frozen model.", type=FILE)
-
-    def __post_init__(self):
-        check_options(self)
-        if self.random and self.search == "tpe":
-            raise UserError(None, "give either --random N or --search tpe")
-        if self.search == "tpe" and (self.jobs > 1 or self.halving):
-            raise UserError(None, "--search tpe runs one trial at a time and prunes it epoch "
-                                  "by epoch itself: leave out --jobs and --halving")
-
-    @property
-    def method(self) -> str:
-        """grid, random or tpe, as the log records it."""
-        return "random" if self.random else self.search
-
-
 class Sweep:
     """One sweep: its trials, log, best weights and summary.  `run()` does the work."""
 
-    def __init__(self, config: RunConfig, grid_texts: Sequence[str], settings: Settings):
+    def __init__(self, config: RunConfig, grid_texts: Sequence[str], settings: SweepSettings):
         """`config`: the run options fixed for every trial (those left at their
         defaults may be swept)."""
         self.settings = settings
@@ -536,11 +501,11 @@ class Sweep:
                             for r in ranked]}
 
 
-def sweep(grid_texts: Sequence[str], settings: Settings | None = None,
+def sweep(grid_texts: Sequence[str], settings: SweepSettings | None = None,
           on_trial: Callable[[dict], None] | None = None, **fixed) -> dict:
     """Sweep as `microtrain sweep` does and return the summary; `fixed`: the RunConfig
     fields fixed for every trial (frozen, inputs, targets, validation_split...)."""
-    return Sweep(RunConfig(**fixed), grid_texts, settings or Settings()).run(on_trial)
+    return Sweep(RunConfig(**fixed), grid_texts, settings or SweepSettings()).run(on_trial)
 
 
 def _distribution(optuna, axis: Axis):

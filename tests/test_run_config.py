@@ -13,8 +13,8 @@ from microtrain.cli import main
 from microtrain.errors import UserError
 from microtrain.loss_scale import make_loss_scale
 from microtrain.federated.settings import FederatedSettings
-from microtrain.run_config import RunConfig, Shape, command_line, flag, option_fields, parse
-from microtrain.sweep import Settings
+from microtrain.run_config import (RunConfig, Shape, SweepSettings, command_line, flag,
+                                   option_fields, parse)
 from microtrain.shuffle import Shuffler
 from microtrain.trainer import Trainer
 from trainconf.split import split
@@ -113,7 +113,7 @@ def test_help_explains_every_field_and_its_default(command):
         _assert_explained(entries, f)
 
 
-@pytest.mark.parametrize("command, record", [("sweep", Settings),
+@pytest.mark.parametrize("command, record", [("sweep", SweepSettings),
                                              ("federated", FederatedSettings)])
 def test_a_commands_own_options_come_from_its_record(command, record):
     """Every option field of sweep's and federated's records is an option of the command,
@@ -131,7 +131,7 @@ def _settings(record, **changes):
         if record is FederatedSettings else record(**changes)
 
 
-@pytest.mark.parametrize("record", [Settings, FederatedSettings])
+@pytest.mark.parametrize("record", [SweepSettings, FederatedSettings])
 def test_a_commands_own_options_round_trip_through_its_command_line(record):
     for f in option_fields(record):
         value = "dirichlet:0.5" if f.name == "partition" else _other(f)
