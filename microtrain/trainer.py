@@ -2,13 +2,13 @@
 import functools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Sequence
 
 import numpy as np
 
 from .arena import held_bytes
-from .contracts import LossScaleState, ShufflerState
+from .contracts import LossScaleState, PlannedRun, ShufflerState
 from .artifacts import load_artifacts
 from .data import Holding, batch_indices, check_ids, check_values, hold
 from .errors import UserError
@@ -22,6 +22,7 @@ from .precision import Underflow
 from .quantization import quantize
 from .metrics import HIGHER_IS_BETTER, METRICS, bind, default_metric
 from .optimizers import make_optimizer
+from .output_loss import OutputLoss
 from .parameters import FROZEN_MODEL, resolve
 from .schedules import make_schedule
 from .shuffle import Shuffler
@@ -185,6 +186,7 @@ class Trainer:
         # FedProx: (mu, global weights); adds the gradient of mu/2 * ||w - global||^2
         self.proximal: tuple[float, np.ndarray] | None = None
         self._plans: dict[int, Plan] = {}
+        self._output_losses: dict[int, OutputLoss] = {}  # a model no split wrote: _judged
         self._meters: dict[int, Callable[[], tuple[float, int]]] = {}
 
     @classmethod
@@ -203,10 +205,22 @@ class Trainer:
                    plain=plain, **config.hyperparameters())
 
     # -- data ---------------------------------------------------------------------------------
-    def _plan(self, rows: int) -> Plan:
+    def plan(self, rows: int) -> Plan:
+        """The compiled step (forward, backward and loss closures, input and output
+        views) of a run of the graph on `rows` rows; compiled once, then kept."""
         if rows not in self._plans:
             self._plans[rows] = compile_plan(self.art, self.memory, rows, self.wrappers)
         return self._plans[rows]
+
+    def _judged(self, rows: int):
+        """What evaluation runs and reads on `rows` rows: the plan, or for a model no
+        split wrote (it trains nothing and has no backprop graph) an OutputLoss of it."""
+        if self.art.training.trainable:
+            return self.plan(rows)
+        if rows not in self._output_losses:
+            self._output_losses[rows] = OutputLoss(self.plan(rows), self.art.forward,
+                                                   self.loss_name)
+        return self._output_losses[rows]
 
     def _expect(self, arrays: Sequence[np.ndarray], views: list[np.ndarray], what: str,
                 names: Sequence[str] | None, quantized: Sequence = ()) -> list:
@@ -254,13 +268,14 @@ class Trainer:
         """Inputs and targets as arrays that fit the model; `names` (input names, target
         names) name them in errors, e.g. their files."""
         names = names or (None, None)
-        plan = self._plan(self.run_rows)
+        plan = self.plan(self.run_rows)
         xs = self._expect(inputs, plan.inputs, "input", names[0], self._input_quantization())
         for i, t in enumerate(self.art.forward.inputs):
             if t in self.art.training.vocab:
                 check_ids(names[0][i] if names[0] else f"input {i}", xs[i],
                           self.art.training.vocab[t])
-        ts = [] if targets is None else self._expect(targets, plan.targets, "target", names[1])
+        ts = [] if targets is None else self._expect(targets, self._judged(self.run_rows).targets,
+                                                     "target", names[1])
         if ts and len(ts[0]) != len(xs[0]):
             if names[0] and names[1]:
                 raise UserError(names[1][0], f"holds {len(ts[0])} samples but the input "
@@ -280,7 +295,7 @@ class Trainer:
         """Add the batch of `rows` rows now in its plan to `totals`: its loss, metric
         and, for a language model, its cross-entropy summed over counted tokens."""
         if rows not in self._meters:
-            plan = self._plan(rows)
+            plan = self._judged(rows)
             with sharing(self.memory.workspace):
                 self._meters[rows] = bind(self.metric, plan.outputs, plan.targets,
                                           self.art.training)
@@ -374,7 +389,7 @@ class Trainer:
         accumulating, the update once every `accum_steps` batches); their loss and
         metric go into `totals`."""
         for part in self._parts(idx):
-            plan = self._plan(len(part))
+            plan = self.plan(len(part))
             self._load(plan, xs, ts, part)
             weight = self._weight(len(part))
             self._run_weight = np.float32(weight)
@@ -524,7 +539,7 @@ class Trainer:
         loss, grads, total = 0.0, np.zeros(self.memory.dense_size, np.float32), 0
         tables = {t: np.zeros_like(self.memory.param_views[t]) for t in self.memory.lazy}
         for part in self._parts(np.arange(len(xs[0]))):
-            plan = self._plan(len(part))
+            plan = self.plan(len(part))
             self._load(plan, xs, ts, part)
             plan.run_forward()
             # reordered, each gradient is copied out where its update would run
@@ -558,11 +573,11 @@ class Trainer:
     def evaluate(self, inputs, targets, checked: bool = False) -> dict:
         """Loss and metric over a whole data set, in batches of the training batch size."""
         xs, ts = (inputs, targets) if checked else self.check_data(inputs, targets)
-        if self.art.backprop is None:
+        if self.art.backprop is None and self.art.training.trainable:
             raise UserError(self.art.frozen_path, "evaluation needs the backprop graph (its loss)")
         totals = Totals()
         for idx in self._batches(len(xs[0])):
-            plan = self._plan(len(idx))
+            plan = self._judged(len(idx))
             self._load(plan, xs, ts, idx)
             plan.run_forward()
             plan.run_loss()
@@ -573,11 +588,11 @@ class Trainer:
     def predict(self, inputs) -> list[np.ndarray]:
         xs, _ = self.check_data(inputs)
         n = len(xs[0])
-        plan = self._plan(self.run_rows)
+        plan = self.plan(self.run_rows)
         outs = [np.empty((n,) + o.shape[1:], o.dtype if o.dtype.kind in "biu" else np.float32)
                 for o in plan.outputs]
         for idx in self._batches(n):
-            plan = self._plan(len(idx))
+            plan = self.plan(len(idx))
             self._load(plan, xs, [], idx)
             plan.run_forward()
             for out, o in zip(outs, plan.outputs):
@@ -587,6 +602,20 @@ class Trainer:
     def improved(self, before: dict, after: dict) -> bool:
         key = self.metric
         return after[key] > before[key] if HIGHER_IS_BETTER[key] else after[key] < before[key]
+
+    def unplanned(self) -> list[str]:
+        """The options this trainer runs with that differ from those the split's
+        memory plan assumed, as the plan's values (e.g. "--accum-steps 1"): the
+        memory held then differs from the plan.  [] when they agree, or for files
+        that do not record them."""
+        planned = self.art.training.planned_for
+        if planned is None:
+            return []
+        ours = PlannedRun(self.scaler.kind, self.accum_steps, self.embedding_update)
+        return [f"--{f.name.replace('_', '-')} " + ("N (a static scale)" if value == "static"
+                                                    else str(value))
+                for f in fields(planned)
+                if (value := getattr(planned, f.name)) != getattr(ours, f.name)]
 
     # -- state --------------------------------------------------------------------------------
     def state(self) -> TrainerState:
@@ -628,7 +657,7 @@ class Trainer:
     def set_params(self, flat: np.ndarray) -> None:
         """Replace the flat fp32 master weights (e.g. from a checkpoint) and the
         working copy the graphs read."""
-        self._plan(self.run_rows)  # the fp16 working copy is rounded by the plan's closures
+        self.plan(self.run_rows)  # the fp16 working copy is rounded by the plan's closures
         self.memory.params[...] = flat
         self.memory.refresh_weights()
 

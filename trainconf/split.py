@@ -10,9 +10,10 @@ from microtrain.arena import START_ALIGN
 from microtrain.atomic import PENDING, atomic_write_set
 from microtrain.kernels.workspace import tile_bytes
 from microtrain.lazy import DEFAULT_EMBEDDING_UPDATE
-from microtrain.loss_registry import LOSS_KINDS
-from microtrain.loss_scale import DEFAULT_LOSS_SCALE
-from microtrain.contracts import GraphLinks, Precision, TrainingMeta, TrainingParameters
+from microtrain.loss_registry import LOSS_KINDS, default_loss
+from microtrain.loss_scale import DEFAULT_LOSS_SCALE, make_loss_scale
+from microtrain.contracts import (GraphLinks, PlannedRun, Precision, TrainingMeta,
+                                  TrainingParameters)
 from microtrain.errors import UserError
 from microtrain.files import check_output
 from microtrain.format.model import (buffer_array, load_model, model_to_bytes, remove_metadata,
@@ -156,12 +157,6 @@ def set_activation_dtype(model, g: Graph, dtype: np.dtype) -> None:
         model.subgraphs[0].tensors[t].type = tensor_type(dtype)
 
 
-def default_loss(g: Graph) -> str:
-    producers = g.producers()
-    last = producers.get(g.outputs[0])
-    return "cce" if last is not None and last.type == "SOFTMAX" else "mse"
-
-
 def cut_weights(model, trainable: list[int]) -> dict[int, np.ndarray]:
     """Remove the trainable tensors' data from the model; returns it for the .wof."""
     sg = model.subgraphs[0]
@@ -244,6 +239,7 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
             check_weights_kept(model_weights(model_path, types, quant), model_path, out_dir, None)
 
         mode = recompute or default_mode(memory_budget)
+        planned_for = PlannedRun(make_loss_scale(loss_scale).kind, accum_steps, embedding_update)
 
         def make(choose, scheme: str,
                  target: int | None = 0 if mode == "auto" else None) -> Built:
@@ -252,7 +248,7 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
                          tile_bytes(params.batch_size)
                          if compact_scratch or memory_budget is not None else None,
                          recompute=target,
-                         quant=quant)
+                         quant=quant, planned_for=planned_for)
         if lora is not None and memory_budget is not None:
             raise UserError(None, "--memory-budget chooses what trains: leave out --lora")
         budget = None
@@ -365,7 +361,7 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
           parameters: TrainingParameters | None = None, ignore_index: int | None = None,
           from_logits: bool = False, lora: LoraSpec | None = None, scheme: str = "",
           scratch_tile: int | None = None, recompute: int | None = None,
-          quant: QuantSpec = QuantSpec()) -> Built:
+          quant: QuantSpec = QuantSpec(), planned_for: PlannedRun | None = None) -> Built:
     """Split the model at `model_path`; `choose(graph)` returns the trainable
     tensors (in execution order) and the rows {tensor: (lo, hi)} of those that
     train only some of their rows; `scheme` is the --trainable text it follows;
@@ -373,7 +369,8 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
     The kernel scratch is measured at batch 1 and `batch_size`.  `parameters` are recorded for microtrain run; `lora`
     adds adapters that train beside the chosen tensors.  With `recompute` (an
     arena target in bytes, 0: the least arena) the backward pass recomputes
-    the forward activations trainconf.recompute chooses; `quant` fake-quantizes."""
+    the forward activations trainconf.recompute chooses; `quant` fake-quantizes;
+    `planned_for` is recorded as what the memory plan assumes of the run."""
     model, g, model_batch = load_prepared(model_path, types, quant)
     check_forward(g)
     remove_metadata(model, CIRCLE_PLUS)  # its operator indices predate the folding
@@ -403,7 +400,8 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
                             ignore_index=ignore_index, from_logits=from_logits,
                             rows=dict(rows), vocab=id_inputs(g), scheme=scheme,
                             scratch_tile=scratch_tile,
-                            parameters=parameters or TrainingParameters())
+                            parameters=parameters or TrainingParameters(),
+                            planned_for=planned_for)
     set_metadata(model, TrainingMeta.NAME, training.to_json())
     frozen_bytes = model_to_bytes(model)
     for t in weights:  # as the runtime reads the frozen model
