@@ -60,6 +60,9 @@ SEED = 0
 # the sequence models: token ids of VOCAB kinds, SEQ long, layers WIDTH wide
 VOCAB, SEQ, WIDTH, USERS = 200, 16, 32, 100
 MFCC, KEYWORDS = (49, 10, 1), 12
+# the sequence models also converted to full-integer int8 (NAME_int8.tflite beside NAME.tflite)
+INT8_TEXT = ("conv1d_text", "conv1d_audio", "kws_cnn", "kws_ds_cnn", "transformer",
+             "transformer_b1", "bert_b1", "lstm_b1", "gru_b1")
 
 
 def default_cache() -> Path:
@@ -103,7 +106,7 @@ def fetch_images(cache: Path) -> None:
 # ---------------------------------------------------------------- keras (worker, needs TensorFlow)
 
 
-def keras_worker(out: Path) -> None:
+def keras_worker(out: Path, is_wanted) -> None:
     import tempfile
 
     import numpy as np
@@ -124,7 +127,8 @@ def keras_worker(out: Path) -> None:
         "densenet121": keras.applications.DenseNet121,
         "small_cnn": small_cnn,  # its outputs are far from uniform, unlike the deep ones' here
     }
-    quantized = ("mobilenet_v2", "small_cnn")
+    # the variants besides the float model: both quantized forms of two, full integer of all
+    variants_of = {"mobilenet_v2": ("_dynamic_int8", "_int8"), "small_cnn": ("_dynamic_int8", "_int8")}
 
     def representative():
         rng = np.random.default_rng(SEED)
@@ -133,13 +137,6 @@ def keras_worker(out: Path) -> None:
 
     def dynamic_range(c):
         c.optimizations = [tf.lite.Optimize.DEFAULT]
-
-    def full_int8(c):
-        dynamic_range(c)
-        c.representative_dataset = representative
-        c.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-        c.inference_input_type = tf.int8
-        c.inference_output_type = tf.int8
 
     def calibrate_batch_norm(model, x):
         """Every batch norm's moving statistics set to those of batch x (momentum 0), with
@@ -153,18 +150,21 @@ def keras_worker(out: Path) -> None:
         if norms:
             model(x, training=True)
 
-    variants = {"": None, "_dynamic_int8": dynamic_range, "_int8": full_int8}
+    variants = {"": None, "_dynamic_int8": dynamic_range,
+                "_int8": lambda c: full_int8(tf, c, representative)}
     out.mkdir(parents=True, exist_ok=True)
     crops = photograph_crops(out.parent / "images", *INPUT[:2])
     for name, app in apps.items():
+        wanted = [v for v in ("", *variants_of.get(name, ("_int8",))) if is_wanted(f"{name}{v}")]
+        if not wanted:
+            continue
         keras.utils.set_random_seed(SEED)
         model = app(weights=None, classes=CLASSES, input_shape=INPUT)
         calibrate_batch_norm(model, crops)
         with tempfile.TemporaryDirectory() as tmp:
             model.export(tmp, verbose=False)
-            for suffix, configure in variants.items():
-                if suffix and name not in quantized:
-                    continue
+            for suffix in wanted:
+                configure = variants[suffix]
                 converter = tf.lite.TFLiteConverter.from_saved_model(tmp)
                 if configure:
                     configure(converter)
@@ -175,8 +175,9 @@ def keras_worker(out: Path) -> None:
 # ---------------------------------------------------------------- keras_text (worker, needs TensorFlow)
 
 
-def keras_text_worker(out: Path) -> None:
-    """Keras 3 sequence, transformer, recommender and audio models with random weights."""
+def keras_text_worker(out: Path, is_wanted) -> None:
+    """Keras 3 sequence, transformer, recommender and audio models with random weights, and
+    full-integer int8 forms of those of INT8_TEXT."""
     keras, tf = tf_imports()
     import keras_hub
     import numpy as np
@@ -262,24 +263,33 @@ def keras_text_worker(out: Path) -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     for name, (build, batch) in models.items():
+        wanted = [v for v in ("", "_int8") if is_wanted(f"{name}{v}")
+                  and (not v or name in INT8_TEXT)]
+        if not wanted:
+            continue
         keras.utils.set_random_seed(SEED)
         model = build(batch)
         signature = [tf.nest.map_structure(
             lambda i: tf.TensorSpec((batch, *i.shape[1:]), i.dtype, name=i.name), model.input)]
-        convert_saved_model(tf, lambda d: model.export(d, input_signature=signature, verbose=False),
-                            out / f"{name}.tflite")
+        samples = lambda: representative_inputs(np, signature[0])
+        for suffix in wanted:
+            configure = (lambda c: full_int8(tf, c, samples)) if suffix else None
+            convert_saved_model(
+                tf, lambda d: model.export(d, input_signature=signature, verbose=False),
+                out / f"{name}{suffix}.tflite", configure)
 
 
 # ---------------------------------------------------------------- tf_keras (worker, needs TensorFlow)
 
 
-def tf_keras_worker(out: Path) -> None:
+def tf_keras_worker(out: Path, is_wanted) -> None:
     """Keras 2 (tf_keras) recurrent models with random weights. Their LSTMs convert to the fused
     UNIDIRECTIONAL_SEQUENCE_LSTM (a Bidirectional one to two of them and a REVERSE_V2; the
     converter makes no BIDIRECTIONAL_SEQUENCE_LSTM); SimpleRNN and GRU to WHILE loops. Only
     batch-1 builds convert: with a dynamic batch TensorFlow 2.21's converter fails ("Lowering
     tensor list ops is failed") from the Keras model and from a SavedModel alike."""
     _, tf = tf_imports()
+    import numpy as np
     import tf_keras
 
     L = tf_keras.layers
@@ -299,9 +309,52 @@ def tf_keras_worker(out: Path) -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     for name, build in models.items():
+        wanted = [v for v in ("", "_int8") if is_wanted(f"{name}{v}")
+                  and (not v or name in INT8_TEXT)]
+        if not wanted:
+            continue
         tf_keras.utils.set_random_seed(SEED)
         model = build()
-        convert_saved_model(tf, lambda d: model.save(d, save_format="tf"), out / f"{name}.tflite")
+        samples = lambda: representative_inputs(np, model.inputs)
+        for suffix in wanted:
+            configure = (lambda c: full_int8(tf, c, samples)) if suffix else None
+            convert_saved_model(tf, lambda d: model.save(d, save_format="tf"),
+                                out / f"{name}{suffix}.tflite", configure)
+
+
+def full_int8(tf, converter, representative) -> None:
+    """Set up `converter` for a full-integer int8 model: int8 weights and activations
+    calibrated on the batches `representative()` yields, int8 float inputs and outputs
+    (integer inputs, token ids, stay as they are)."""
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    converter.representative_dataset = representative
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+    converter.inference_input_type = tf.int8
+    converter.inference_output_type = tf.int8
+
+
+def representative_inputs(np, specs, batches: int = 16):
+    """Calibration batches (batch 1) for inputs of `specs` (Keras inputs or TensorSpecs, one or
+    a dict): token ids in [0, VOCAB) for an input named token_ids or item_id, [0, USERS) for
+    user_id, ones for other integer inputs (BERT's segment ids and padding mask), standard
+    normal values for float ones; a list in the inputs' order, a dict for named inputs."""
+    rng = np.random.default_rng(SEED)
+    top = {"token_ids": VOCAB, "item_id": VOCAB, "user_id": USERS}
+    named = isinstance(specs, dict)
+    specs = specs if named else dict(enumerate(specs if isinstance(specs, (list, tuple))
+                                               else [specs]))
+    for _ in range(batches):
+        batch = {}
+        for key, spec in specs.items():
+            shape = (1, *spec.shape[1:])
+            dtype = np.dtype(getattr(spec.dtype, "as_numpy_dtype", spec.dtype))
+            if dtype.kind in "iu":
+                name = str(key) if named else spec.name.split(":")[0]
+                batch[key] = (rng.integers(0, top[name], shape) if name in top
+                              else np.ones(shape)).astype(dtype)
+            else:
+                batch[key] = rng.standard_normal(shape).astype(dtype)
+        yield batch if named else list(batch.values())
 
 
 def tf_imports():
@@ -313,15 +366,19 @@ def tf_imports():
     return keras, tf
 
 
-def convert_saved_model(tf, export, path: Path) -> None:
-    """export(dir) writes a SavedModel that TFLiteConverter turns into `path`; a model the
-    converter refuses is reported on one line and skipped, so the others still convert."""
+def convert_saved_model(tf, export, path: Path, configure=None) -> None:
+    """export(dir) writes a SavedModel that TFLiteConverter (set up by `configure`, if given)
+    turns into `path`; a model the converter refuses is reported on one line and skipped, so
+    the others still convert."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         try:
             export(tmp)
-            path.write_bytes(tf.lite.TFLiteConverter.from_saved_model(tmp).convert())
+            converter = tf.lite.TFLiteConverter.from_saved_model(tmp)
+            if configure:
+                configure(converter)
+            path.write_bytes(converter.convert())
         except Exception as e:  # noqa: BLE001 - any converter failure: report, go on
             print(f"{path.parent.name}/{path.name}: not converted: {str(e).strip().splitlines()[-1]}")
             return
@@ -331,7 +388,7 @@ def convert_saved_model(tf, export, path: Path) -> None:
 # ---------------------------------------------------------------- torch (worker, needs litert-torch)
 
 
-def torch_worker(out: Path) -> None:
+def torch_worker(out: Path, is_wanted) -> None:
     import litert_torch
     import torch
     import torchvision
@@ -356,6 +413,8 @@ def torch_worker(out: Path) -> None:
     h, w, c = INPUT
     crops = torch.from_numpy(photograph_crops(out.parent / "images", h, w)).permute(0, 3, 1, 2)
     for name, make in models.items():
+        if not is_wanted(name):
+            continue
         torch.manual_seed(SEED)
         model = calibrate_batch_norm(make(), crops)
         litert_torch.convert(model, (torch.randn(1, c, h, w),)).export(str(out / f"{name}.tflite"))
@@ -365,7 +424,7 @@ def torch_worker(out: Path) -> None:
 # ---------------------------------------------------------------- torch_text (worker, needs litert-torch)
 
 
-def torch_text_worker(out: Path) -> None:
+def torch_text_worker(out: Path, is_wanted) -> None:
     """PyTorch sequence models with random weights, converted by litert-torch (batch 1):
     nn.TransformerEncoder and nn.LSTM classifiers over nn.Embedding, and a GPT-2 causal LM
     from transformers (per-token logits [1, SEQ, VOCAB])."""
@@ -407,6 +466,8 @@ def torch_text_worker(out: Path) -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     for name, make in models.items():
+        if not is_wanted(name):
+            continue
         torch.manual_seed(SEED)
         ids = torch.randint(0, VOCAB, (1, SEQ), dtype=torch.int32)
         try:
@@ -559,6 +620,9 @@ def main() -> None:
     parser.add_argument("--torch-python", default=sys.executable,
                         help="interpreter with torch, torchvision, litert-torch and transformers, "
                              "for torch and torch_text (default: this one)")
+    parser.add_argument("--only", metavar="STEMS",
+                        help="comma list of the models to make (their file names without "
+                             ".tflite, such as resnet50_int8; default: all)")
     parser.add_argument("--index-only", action="store_true", help="only rewrite INDEX.md")
     parser.add_argument("--sequence-fixtures", type=Path, metavar="DIR",
                         help="fetch nothing: copy the sequence fixtures from the cache into DIR "
@@ -567,7 +631,8 @@ def main() -> None:
     args = parser.parse_args()
     cache = args.cache.resolve()
     if args.worker:
-        WORKERS[args.worker](cache / args.worker)
+        only = set(args.only.split(",")) if args.only else None
+        WORKERS[args.worker](cache / args.worker, lambda stem: only is None or stem in only)
         return
     if args.sequence_fixtures:
         write_sequence_fixtures(cache, args.sequence_fixtures)
@@ -580,7 +645,8 @@ def main() -> None:
                 fetch_images(cache)
             else:
                 python = args.torch_python if source.startswith("torch") else args.tf_python
-                subprocess.run([python, __file__, "--cache", str(cache), "--worker", source],
+                only = ["--only", args.only] if args.only else []
+                subprocess.run([python, __file__, "--cache", str(cache), "--worker", source, *only],
                                check=True)
     write_index(cache)
 

@@ -242,6 +242,7 @@ def test_dilated_convolution():
                        np.array([1, 2, 2], np.int32)], (2, 2, 3), {}),
     ("RESIZE_NEAREST_NEIGHBOR", [np.array([4, 10], np.int32)], (2, 4, 10), {}),
     ("GATHER", [np.array([3, 0, 3], np.int32)], (2, 4, 3), {"axis": 2}),
+    ("REDUCE_MAX", [np.array([1], np.int32)], (2, 5), {"keep_dims": False}),
 ])
 def test_operators_on_the_stored_integers(op, inputs, shape, options):
     x, qx = int8(2, 4, 5), activation_q()
@@ -341,3 +342,33 @@ def test_multipliers_at_near_ties(op):
                 else CONV_OPTIONS
             check(op, [x, one, zero_bias], [x.shape], [qx, q(1.0), q(qx.scale[0]), qy],
                   constant=(1, 2), version=3, **options)
+
+
+# ----------------------------------------------------------------- transformer operators
+
+@pytest.mark.parametrize("adj_x,adj_y", [(False, False), (False, True), (True, False)])
+def test_batch_matmul(adj_x, adj_y):
+    """Attention's products of two activations (enough outputs to tell one rounding from
+    two), the second broadcast over the first's batch."""
+    a = int8(2, 3, 24, 20) if not adj_x else int8(2, 3, 20, 24)
+    b = int8(1, 3, 20, 9) if not adj_y else int8(1, 3, 9, 20)
+    for _ in range(3):
+        check("BATCH_MATMUL", [a, b], [(2, 3, 24, 9)],
+              [activation_q(), activation_q(), q(rng.uniform(0.1, 2), int(rng.integers(-30, 30)))],
+              version=4, adj_x=adj_x, adj_y=adj_y, asymmetric_quantize_inputs=False)
+
+
+@pytest.mark.parametrize("shapes", [((3, 4, 5), (3, 4, 5)), ((3, 4, 5), (3, 4, 1))])
+def test_squared_difference(shapes):
+    a, b = int8(*shapes[0]), int8(*shapes[1])
+    for _ in range(4):
+        check("SQUARED_DIFFERENCE", [a, b], [shapes[0]],
+              [activation_q(), activation_q(), q(rng.uniform(0.05, 2), -128)], version=2)
+
+
+@pytest.mark.parametrize("scales", [(1.6e-5, 0.09), (0.0064, 0.0055), (0.05, 0.3), (2.0, 0.01)])
+def test_rsqrt(scales):
+    """Every int8 input (those below the zero point are refused by LiteRT: not given)."""
+    zx = -128 + int(rng.integers(0, 3))
+    x = np.arange(zx, 128, dtype=I8)
+    check("RSQRT", [x], [x.shape], [q(scales[0], zx), q(scales[1], -128)], version=2)

@@ -14,8 +14,9 @@ import numpy as np
 
 from ..errors import OperatorError
 from ..fixedpoint import (as_i64, divide_by_pot, doubling_high_mul, doubling_high_mul_truncated,
-                          exp_on_negative_values, multiply_by_quantized_multiplier, reciprocal,
-                          round_half_away, saturating_left_shift, wrap32)
+                          exp_on_negative_values, inv_sqrt_multiplier,
+                          multiply_by_quantized_multiplier, reciprocal, round_half_away,
+                          saturating_left_shift, wrap32)
 from ..quantization import (activation_range, dequantize, op_quantization, quantize,
                             quantize_multiplier, requantize, type_range)
 from . import INTEGER_KERNELS, KERNELS, Step, in_sequence, kernel
@@ -82,11 +83,11 @@ def _scale(q) -> F64:
 
 
 def _weighted(name: str, inputs, outputs, quant, code: int, opts: dict):
-    """CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED: int32 sums of (x − zx)·(w − zw)
-    plus the int32 bias, requantized per output channel by scale_x·scale_w/scale_y
-    (in double, as TFLite's per-channel multipliers).  LiteRT's reference
-    FULLY_CONNECTED rounds the product once, the convolutions twice (measured:
-    tests/test_kernels_quantized.py)."""
+    """CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, BATCH_MATMUL: int32 sums of
+    (x − zx)·(w − zw) plus the int32 bias, requantized per output channel by
+    scale_x·scale_w/scale_y (in double, as TFLite's per-channel multipliers).  LiteRT's
+    reference FULLY_CONNECTED rounds the product once, the convolutions and BATCH_MATMUL
+    twice (measured: tests/test_kernels_quantized.py)."""
     x, w, b = (*inputs, None)[:3]
     (y,) = outputs
     (qx, qw), qy = quant.inputs[:2], quant.outputs[0]
@@ -101,7 +102,7 @@ def _weighted(name: str, inputs, outputs, quant, code: int, opts: dict):
         bs, load_b = _centred(b, None)
         loads.append(load_b)
     acc = scratch(y.shape, F64)
-    inner = KERNELS[name]([xs, ws, bs], [acc], **opts)
+    inner = KERNELS[name]([xs, ws, bs][:len(inputs)], [acc], **opts)
     real = _scale(qx) * qw.scale.astype(F64) / _scale(qy)
     once = name == "FULLY_CONNECTED"
     return in_sequence([*loads, inner, _requantizer(acc, y, real, qy, code, once)])
@@ -120,6 +121,12 @@ def depthwise_conv_2d(inputs, outputs, quant, fused_activation_function=0, **opt
 @kernel("FULLY_CONNECTED", integer=True)
 def fully_connected(inputs, outputs, quant, fused_activation_function=0, **opts):
     return _weighted("FULLY_CONNECTED", inputs, outputs, quant, fused_activation_function, opts)
+
+
+@kernel("BATCH_MATMUL", integer=True)
+def batch_matmul(inputs, outputs, quant, **opts):
+    """Both operands activations (attention's scores and values) or the second a constant."""
+    return _weighted("BATCH_MATMUL", inputs, outputs, quant, 0, opts)
 
 
 def _clamped(y: np.ndarray, qy, code: int):
@@ -161,6 +168,34 @@ def add(inputs, outputs, quant, fused_activation_function=0, **_):
 @kernel("SUB", integer=True)
 def sub(inputs, outputs, quant, fused_activation_function=0, **_):
     return _add(inputs, outputs, quant, fused_activation_function, -1)
+
+
+SQUARED_DIFFERENCE_LEFT_SHIFT = 7  # int8 operands: (255 << 7)² still fits in int32
+
+
+@kernel("SQUARED_DIFFERENCE", integer=True)
+def squared_difference(inputs, outputs, quant, **_):
+    """TFLite's int8 SQUARED_DIFFERENCE: each operand minus its zero point, shifted left
+    by 7 and scaled by its scale / (2·the larger scale) as ADD's; the square of their
+    difference scaled by (2·the larger scale)² / (2**14 · scale_y), all in double."""
+    (x1, x2), (y,) = inputs, outputs
+    (q1, q2), qy = quant.inputs, quant.outputs[0]
+    twice = 2 * F64(max(q1.scale[0], q2.scale[0]))
+    m1, s1 = quantize_multiplier(_scale(q1) / twice)
+    m2, s2 = quantize_multiplier(_scale(q2) / twice)
+    mo, so = quantize_multiplier(twice * twice
+                                 / (F64(1 << 2 * SQUARED_DIFFERENCE_LEFT_SHIFT) * _scale(qy)))
+    lo, hi = type_range(y.dtype)
+    z1, z2, zy = (int(q.zero_point[0]) for q in (q1, q2, qy))
+
+    def scaled(x, zero, m, s):
+        return multiply_by_quantized_multiplier(
+            (as_i64(x) - zero) << SQUARED_DIFFERENCE_LEFT_SHIFT, m, s)
+
+    def step():
+        diff = scaled(x1, z1, m1, s1) - scaled(x2, z2, m2, s2)
+        np.copyto(y, requantize(diff * diff, mo, so, zy, lo, hi, y.dtype))
+    return step
 
 
 def _ratio32(qx, qy) -> F64:
@@ -347,6 +382,27 @@ def tanh(inputs, outputs, quant, **_):
     return _float_table(inputs[0], outputs[0], quant, np.tanh)
 
 
+RSQRT_SHIFT = 20  # TFLite's headroom for 1/sqrt of an integer
+
+
+@kernel("RSQRT", integer=True)
+def rsqrt(inputs, outputs, quant, **_):
+    """TFLite's int8 RSQRT by table: 1/sqrt(x − zx) in fixed point (GetInvSqrtQuantizedMultiplierExp:
+    Newton–Raphson in Q3.28), times 1/(sqrt(scale_x)·scale_y) (the square root and the product
+    in float32, the reciprocal in double); x = zx gives the type's largest value."""
+    (x,), (y,) = inputs, outputs
+    qx, qy = quant.inputs[0], quant.outputs[0]
+    mult, shift = (int(v) for v in quantize_multiplier(
+        1 / F64(np.sqrt(qx.scale[0]) * qy.scale[0])))
+    values = np.arange(-128, 128) - int(qx.zero_point[0])
+    inv_mult, inv_shift = inv_sqrt_multiplier(np.maximum(values, 0))
+    data = multiply_by_quantized_multiplier(1, inv_mult, inv_shift + RSQRT_SHIFT)
+    out = multiply_by_quantized_multiplier(data, mult, shift - RSQRT_SHIFT) + int(qy.zero_point[0])
+    lo, hi = type_range(y.dtype)
+    table = np.where(values == 0, hi, np.clip(out, lo, hi))
+    return _table(x, y, table.astype(y.dtype))
+
+
 @kernel("HARD_SWISH", integer=True)
 def hard_swish(inputs, outputs, quant, **_):
     """TFLite's reference int8 hard-swish, x·relu6(x + 3)/6 in 16-bit fixed point: x on a
@@ -420,7 +476,7 @@ def concatenation(inputs, outputs, quant, fused_activation_function=0, **opts):
 # as they are (TFLite's int8 kernels do the same, whatever the parameters).
 AS_STORED = ("RESHAPE", "SQUEEZE", "EXPAND_DIMS", "TRANSPOSE", "STRIDED_SLICE", "SLICE",
              "PADV2", "SHAPE", "SPACE_TO_DEPTH", "DEPTH_TO_SPACE", "GATHER",
-             "RESIZE_NEAREST_NEIGHBOR", "MAXIMUM", "MINIMUM")
+             "RESIZE_NEAREST_NEIGHBOR", "MAXIMUM", "MINIMUM", "REDUCE_MAX")
 
 
 def _as_stored(name, inputs, outputs, quant, **options):
