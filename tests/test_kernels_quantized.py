@@ -252,6 +252,13 @@ def test_operators_on_the_stored_integers(op, inputs, shape, options):
           constant=tuple(range(1, len(inputs) + 1)), **options)
 
 
+def test_select_takes_the_stored_values():
+    """Whatever their parameters, as LiteRT's SELECT_V2."""
+    qx, condition = activation_q(), rng.random((2, 1, 5)) > 0.5
+    check("SELECT_V2", [condition, int8(2, 4, 5), int8(2, 4, 5)], [(2, 4, 5)],
+          [None, qx, activation_q(), qx])
+
+
 @pytest.mark.parametrize("op", ["MAXIMUM", "MINIMUM"])
 def test_maximum_and_minimum(op):
     qx = activation_q()
@@ -372,3 +379,12 @@ def test_rsqrt(scales):
     zx = -128 + int(rng.integers(0, 3))
     x = np.arange(zx, 128, dtype=I8)
     check("RSQRT", [x], [x.shape], [q(scales[0], zx), q(scales[1], -128)], version=2)
+
+
+@pytest.mark.parametrize("approximate", [True, False])
+def test_gelu(approximate):
+    x = np.arange(-128, 128, dtype=I8).reshape(16, 16)
+    for scales in [(0.0027, 0.0013), (0.02, 0.01), (0.05, 0.03), (0.1, 0.08)]:
+        check("GELU", [x], [x.shape], [q(scales[0], int(rng.integers(-20, 20))),
+                                       q(scales[1], int(rng.integers(-40, 0)))],
+              version=2, approximate=approximate)

@@ -8,6 +8,7 @@ order of the additions), and the int32 accumulator is then requantized with the
 fixed-point arithmetic of microtrain/fixedpoint.py.  Each factory takes the
 OpQuantization of the operator's tensors after its arrays.
 """
+import math
 from functools import partial
 
 import numpy as np
@@ -382,6 +383,23 @@ def tanh(inputs, outputs, quant, **_):
     return _float_table(inputs[0], outputs[0], quant, np.tanh)
 
 
+@kernel("GELU", integer=True)
+def gelu(inputs, outputs, quant, approximate=False, **_):
+    """x·Φ(x) by table, in float32 as TFLite's: 0.5·x·erfc(−x/√2), or with `approximate`
+    0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))."""
+    f32 = np.float32
+
+    def exact(x):
+        x = x.astype(f32)
+        return f32(0.5) * x * np.vectorize(math.erfc)(x * -f32(math.sqrt(0.5))).astype(f32)
+
+    def tanh_form(x):
+        x = x.astype(f32)
+        inner = f32(math.sqrt(2 / math.pi)) * (x + f32(0.044715) * x * x * x)
+        return f32(0.5) * x * (f32(1) + np.tanh(inner))
+    return _float_table(inputs[0], outputs[0], quant, tanh_form if approximate else exact)
+
+
 RSQRT_SHIFT = 20  # TFLite's headroom for 1/sqrt of an integer
 
 
@@ -476,7 +494,8 @@ def concatenation(inputs, outputs, quant, fused_activation_function=0, **opts):
 # as they are (TFLite's int8 kernels do the same, whatever the parameters).
 AS_STORED = ("RESHAPE", "SQUEEZE", "EXPAND_DIMS", "TRANSPOSE", "STRIDED_SLICE", "SLICE",
              "PADV2", "SHAPE", "SPACE_TO_DEPTH", "DEPTH_TO_SPACE", "GATHER",
-             "RESIZE_NEAREST_NEIGHBOR", "MAXIMUM", "MINIMUM", "REDUCE_MAX")
+             "RESIZE_NEAREST_NEIGHBOR", "MAXIMUM", "MINIMUM", "REDUCE_MAX", "SELECT",
+             "SELECT_V2")
 
 
 def _as_stored(name, inputs, outputs, quant, **options):
