@@ -57,25 +57,26 @@ def integer_problem(g, op) -> str | None:
     return None
 
 
-def _centred(a: np.ndarray, q) -> tuple[np.ndarray, Step]:
-    """float64 scratch for a − zero point (per slice for a per-channel tensor) and
+def _centred(a: np.ndarray, q, dtype=F64) -> tuple[np.ndarray, Step]:
+    """Scratch of `dtype` for a − zero point (per slice for a per-channel tensor) and
     the step filling it (the weights too: a training run may change them)."""
-    out = scratch(a.shape, F64)
-    zero = 0.0 if q is None else q.along(q.zero_point, a.ndim).astype(F64)
-    return out, partial(np.subtract, a, zero, out=out, dtype=F64)
+    out = scratch(a.shape, dtype)
+    zero = 0 if q is None else q.along(q.zero_point, a.ndim).astype(dtype)
+    return out, partial(np.subtract, a, zero, out=out, dtype=dtype)
 
 
-def _requantizer(acc: np.ndarray, y: np.ndarray, real, qy, code: int, once: bool):
-    """The step writing y = the int32 accumulators `acc` (float64, exact) times the
-    real multipliers `real` (one, or one per channel of y's last axis), rounded
-    twice or `once` (see requantize), plus y's zero point, clamped to the fused
-    activation's range."""
+def _requantizer(acc: np.ndarray, bias, y: np.ndarray, real, qy, code: int, once: bool):
+    """The step writing y = the int32 accumulators `acc` (float, exact) plus the int32
+    `bias` (or None) times the real multipliers `real` (one, or one per channel of y's
+    last axis), rounded twice or `once` (see requantize), plus y's zero point, clamped
+    to the fused activation's range."""
     mult, shift = quantize_multiplier(real)
     lo, hi = activation_range(code, qy, y.dtype)
     zero = int(qy.zero_point[0])
 
     def step():
-        np.copyto(y, requantize(acc.astype(np.int64), mult, shift, zero, lo, hi, y.dtype, once))
+        total = acc.astype(np.int64) if bias is None else acc.astype(np.int64) + bias
+        np.copyto(y, requantize(total, mult, shift, zero, lo, hi, y.dtype, once))
     return step
 
 
@@ -83,30 +84,49 @@ def _scale(q) -> F64:
     return F64(q.scale[0])
 
 
+EXACT_F32 = 1 << 24  # integers up to this are exact in float32
+
+
+def _sums_type(name: str, x, w, qx, qw, opts: dict):
+    """float32 when no sum of the operator's products can exceed 2**24 in magnitude (the
+    products' count times the largest |x − zx| and |w − zw| the types allow), so that
+    float32 sums are exact in any order of additions (BLAS's sgemm is about twice
+    dgemm's speed); else float64, exact below 2**53."""
+    terms = {"CONV_2D": lambda: w[0].size,
+             "DEPTHWISE_CONV_2D": lambda: w.shape[1] * w.shape[2],
+             "FULLY_CONNECTED": lambda: w.shape[-1],
+             "BATCH_MATMUL": lambda: x.shape[-2 if opts.get("adj_x") else -1]}[name]()
+    return np.float32 if terms * _span(x.dtype, qx) * _span(w.dtype, qw) <= EXACT_F32 else F64
+
+
+def _span(dtype, q) -> int:
+    """The largest |v − zero point| of a value v of integer `dtype`."""
+    lo, hi = type_range(dtype)
+    zero = np.zeros(1, np.int64) if q is None else q.zero_point
+    return int(np.max(np.maximum(hi - zero, zero - lo)))
+
+
 def _weighted(name: str, inputs, outputs, quant, code: int, opts: dict):
     """CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, BATCH_MATMUL: int32 sums of
     (x − zx)·(w − zw) plus the int32 bias, requantized per output channel by
-    scale_x·scale_w/scale_y (in double, as TFLite's per-channel multipliers).  LiteRT's
-    reference FULLY_CONNECTED rounds the product once, the convolutions and BATCH_MATMUL
-    twice (measured: tests/test_kernels_quantized.py)."""
+    scale_x·scale_w/scale_y (in double, as TFLite's per-channel multipliers).  The sums
+    are the float kernels' on centred copies (_sums_type), the bias added in int64.
+    LiteRT's reference FULLY_CONNECTED rounds the product once, the convolutions and
+    BATCH_MATMUL twice (measured: tests/test_kernels_quantized.py)."""
     x, w, b = (*inputs, None)[:3]
     (y,) = outputs
     (qx, qw), qy = quant.inputs[:2], quant.outputs[0]
     if qw is None:
         raise OperatorError(None, "its weights are not quantized (a model that mixes float "
                                   "weights with int8 activations)")
-    xs, load_x = _centred(x, qx)
-    ws, load_w = _centred(w, qw)
-    loads = [load_x, load_w]
-    bs = None
-    if b is not None:
-        bs, load_b = _centred(b, None)
-        loads.append(load_b)
-    acc = scratch(y.shape, F64)
-    inner = KERNELS[name]([xs, ws, bs][:len(inputs)], [acc], **opts)
+    dtype = _sums_type(name, x, w, qx, qw, opts)
+    xs, load_x = _centred(x, qx, dtype)
+    ws, load_w = _centred(w, qw, dtype)
+    acc = scratch(y.shape, dtype)
+    inner = KERNELS[name]([xs, ws, None][:len(inputs)], [acc], **opts)
     real = _scale(qx) * qw.scale.astype(F64) / _scale(qy)
     once = name == "FULLY_CONNECTED"
-    return in_sequence([*loads, inner, _requantizer(acc, y, real, qy, code, once)])
+    return in_sequence([load_x, load_w, inner, _requantizer(acc, b, y, real, qy, code, once)])
 
 
 @kernel("CONV_2D", integer=True)
