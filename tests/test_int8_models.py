@@ -89,11 +89,18 @@ def output(run) -> np.ndarray:
     return run.get_tensor(run.get_output_details()[0]["index"])
 
 
-def batch_of(path: Path) -> int:
+def litert_output(path: Path, xs: list[np.ndarray], reference: bool = True) -> np.ndarray:
+    """LiteRT's first output on the samples xs, as many at once as the model takes."""
+    batch = batch_of(path, len(xs[0]))
+    return np.concatenate([output(litert(path, [x[i:i + batch] for x in xs], reference))
+                           for i in range(0, len(xs[0]), batch)])
+
+
+def batch_of(path: Path, samples: int = SAMPLES) -> int:
     """The samples a run takes at once: all (a dynamic batch) or the model's fixed batch."""
     g = graph_of(load_model(path))
     fixed = g.tensors[g.inputs[0]].shape[0]
-    return SAMPLES if fixed < 0 else fixed
+    return samples if fixed < 0 else fixed
 
 
 def infer(model: Path, xs, tmp_path: Path):
@@ -109,12 +116,10 @@ def infer(model: Path, xs, tmp_path: Path):
 
 @pytest.mark.parametrize("model", MODELS, ids=lambda p: p.stem)
 def test_infer_equals_litert_reference_kernels(model, tmp_path):
-    xs, batch = sample_inputs(model, SAMPLES), batch_of(model)
+    xs = sample_inputs(model, SAMPLES)
     result, out = infer(model, xs, tmp_path)
     assert result.exit_code == 0, result.output
-    got = np.load(out)
-    want = np.concatenate([output(litert(model, [x[i:i + batch] for x in xs]))
-                           for i in range(0, SAMPLES, batch)])
+    got, want = np.load(out), litert_output(model, xs)
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
 
