@@ -7,9 +7,12 @@
   give it with --mediapipe-wheel or the script fetches it with `pip download`.
 - keras: Keras applications with random weights (weights=None), a 10-class head and a 32x32x3
   input (the smallest each allows), their batch-norm statistics set like the torch models'
-  (below), converted by TensorFlow's TFLiteConverter from a SavedModel, and a small CNN; MobileNetV2 and the CNN also quantized two ways: dynamic range (int8 weights,
-  float activations) and full integer (int8 activations). Needs TensorFlow and Pillow: --tf-python
-  names an interpreter that has them.
+  (below; pixels in [0, 255] for the two that rescale them themselves, MobileNetV3Small and
+  EfficientNetB0, else [0, 1]), converted by TensorFlow's TFLiteConverter from a SavedModel, and
+  a small CNN; each also full integer (int8 activations, NAME_int8.tflite: calibrated on the
+  same photograph crops, MobileNetV2 and the CNN on uniform noise), MobileNetV2 and the CNN
+  dynamic range too (int8 weights, float activations). Needs TensorFlow and Pillow:
+  --tf-python names an interpreter that has them.
 - torch: PyTorch models with random weights converted by litert-torch: a small CNN,
   torchvision's mobilenet_v3_small and resnet18, their batch-norm statistics set from random
   crops of the photographs (below) as training would set them: with torchvision's initial ones (mean 0,
@@ -25,9 +28,10 @@ ids of VOCAB kinds, SEQ long, layers WIDTH wide; nothing is downloaded from a mo
   classifier from a small config (both), a user/item embedding recommender, and four
   convolutional ones: two keyword spotters on 49x10 MFCCs, a 1-D conv over log-mel frames and
   one over token embeddings. Converted from a SavedModel (`model.export` with a static-batch
-  signature where batch 1).
+  signature where batch 1); those of INT8_TEXT also full integer (NAME_int8.tflite).
 - tf_keras (--tf-python): Keras 2 LSTM (the fused UNIDIRECTIONAL_SEQUENCE_LSTM), Bidirectional
-  LSTM, SimpleRNN and GRU classifiers and an LSTM next-word model, batch 1.
+  LSTM, SimpleRNN and GRU classifiers and an LSTM next-word model, batch 1; the LSTM
+  classifier also full integer (its state int16).
 - torch_text (--torch-python, with transformers): nn.TransformerEncoder and nn.LSTM
   classifiers over nn.Embedding and a 2-layer GPT-2 causal LM (transformers' GPT2Config), by
   litert-torch, batch 1.
@@ -60,9 +64,12 @@ SEED = 0
 # the sequence models: token ids of VOCAB kinds, SEQ long, layers WIDTH wide
 VOCAB, SEQ, WIDTH, USERS = 200, 16, 32, 100
 MFCC, KEYWORDS = (49, 10, 1), 12
-# the sequence models also converted to full-integer int8 (NAME_int8.tflite beside NAME.tflite)
-INT8_TEXT = ("conv1d_text", "conv1d_audio", "kws_cnn", "kws_ds_cnn", "transformer",
-             "transformer_b1", "bert_b1", "lstm_b1", "gru_b1")
+# the sequence models also converted to full-integer int8 (NAME_int8.tflite beside NAME.tflite);
+# not the RNNs of WHILE loops (Keras 3's LSTM and GRU, tf_keras's GRU): TensorFlow 2.21's int8
+# converter dies on them (SIGSEGV), only tf_keras's fused LSTM converts
+INT8_TEXT = {"keras_text": ("conv1d_text", "conv1d_audio", "kws_cnn", "kws_ds_cnn", "transformer",
+                            "transformer_b1", "bert_b1"),
+             "tf_keras": ("lstm_b1",)}
 
 
 def default_cache() -> Path:
@@ -273,7 +280,7 @@ def keras_text_worker(out: Path, is_wanted) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, (build, batch) in models.items():
         wanted = [v for v in ("", "_int8") if is_wanted(f"{name}{v}")
-                  and (not v or name in INT8_TEXT)]
+                  and (not v or name in INT8_TEXT["keras_text"])]
         if not wanted:
             continue
         keras.utils.set_random_seed(SEED)
@@ -319,7 +326,7 @@ def tf_keras_worker(out: Path, is_wanted) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, build in models.items():
         wanted = [v for v in ("", "_int8") if is_wanted(f"{name}{v}")
-                  and (not v or name in INT8_TEXT)]
+                  and (not v or name in INT8_TEXT["tf_keras"])]
         if not wanted:
             continue
         tf_keras.utils.set_random_seed(SEED)
@@ -534,6 +541,20 @@ FIXTURES = {"keras_lstm_b1": "keras_text/lstm_b1", "tf_keras_lstm_b1": "tf_keras
 FIXTURE_SAMPLES = 32
 
 
+# the small int8 models the test suite keeps (tests/fixtures/int8_corpus), by file name
+INT8_FIXTURES = {name: f"{source}/{name}" for source, name in (
+    ("keras_text", "bert_b1_int8"), ("keras_text", "transformer_b1_int8"),
+    ("keras_text", "conv1d_text_int8"), ("keras_text", "kws_ds_cnn_int8"),
+    ("tf_keras", "lstm_b1_int8"))}
+
+
+def copy_models(cache: Path, out: Path, models: dict[str, str]) -> None:
+    """Copy cache/<source>.tflite to out/<name>.tflite for each name: source of `models`."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, source in models.items():
+        (out / f"{name}.tflite").write_bytes((cache / f"{source}.tflite").read_bytes())
+
+
 def write_sequence_fixtures(cache: Path, out: Path) -> None:
     """The small sequence models of FIXTURES copied from the cache into `out` (the test suite's
     tests/fixtures/sequence), with data to train them: token ids and one-hot labels (the
@@ -541,9 +562,7 @@ def write_sequence_fixtures(cache: Path, out: Path) -> None:
     0/1 ratings (1 where their parities agree) for the recommender."""
     import numpy as np
 
-    out.mkdir(parents=True, exist_ok=True)
-    for name, source in FIXTURES.items():
-        (out / f"{name}.tflite").write_bytes((cache / f"{source}.tflite").read_bytes())
+    copy_models(cache, out, FIXTURES)
     rng = np.random.default_rng(SEED)
     ids = rng.integers(0, VOCAB, (FIXTURE_SAMPLES, SEQ)).astype(np.int32)
     users = rng.integers(0, USERS, (FIXTURE_SAMPLES, 1)).astype(np.int32)
@@ -636,6 +655,9 @@ def main() -> None:
     parser.add_argument("--sequence-fixtures", type=Path, metavar="DIR",
                         help="fetch nothing: copy the sequence fixtures from the cache into DIR "
                              "(tests/fixtures/sequence) with data to train them")
+    parser.add_argument("--int8-fixtures", type=Path, metavar="DIR",
+                        help="fetch nothing: copy the small int8 models of INT8_FIXTURES from the "
+                             "cache into DIR (tests/fixtures/int8_corpus)")
     parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     cache = args.cache.resolve()
@@ -645,6 +667,10 @@ def main() -> None:
         return
     if args.sequence_fixtures:
         write_sequence_fixtures(cache, args.sequence_fixtures)
+        return
+    if args.int8_fixtures:
+        copy_models(cache, args.int8_fixtures, INT8_FIXTURES)
+        print(f"{len(INT8_FIXTURES)} models in {args.int8_fixtures}")
         return
     if not args.index_only:
         for source in args.sources.split(","):

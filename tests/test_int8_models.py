@@ -27,8 +27,12 @@ from trainconf.writer import graph_to_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "quantized"
 CACHE = os.environ.get("TRAINCONF_REAL_MODELS")
-CACHED = sorted(p for p in Path(CACHE).glob("*/*_int8.tflite") if "dynamic" not in p.name) \
-    if CACHE else []
+# full-integer models from public architectures (scripts/fetch_real_models.py): the small
+# ones kept in tests/fixtures/int8_corpus, all of them in the cache
+KEPT = sorted((FIXTURES.parent / "int8_corpus").glob("*.tflite"))
+CORPUS = KEPT + sorted(
+    p for p in Path(CACHE).glob("*/*_int8.tflite") if "dynamic" not in p.name
+    and p.stem not in {k.stem for k in KEPT}) if CACHE else KEPT
 # what microtrain refuses to run as it is, in one line naming it; `trainconf split` still
 # trains both (it lowers the LSTM and folds the shape chains of a dynamic batch)
 REFUSED = {
@@ -36,7 +40,7 @@ REFUSED = {
     "transformer_int8": "has shape [-1, -1]: only the first dimension may be -1",
 }
 MODELS = [FIXTURES / "full_int8.tflite", FIXTURES / "ops_int8.tflite"] + [
-    p for p in CACHED if p.stem not in REFUSED]
+    p for p in CORPUS if p.stem not in REFUSED]
 SAMPLES = 8
 
 
@@ -169,14 +173,14 @@ def test_every_activation_equals_litert_reference_kernels(model):
     assert len(degenerate) < len(computed) // 3, f"degenerate tensors {degenerate}"
 
 
-@pytest.mark.parametrize("model", [p for p in CACHED if p.stem in REFUSED], ids=lambda p: p.stem)
+@pytest.mark.parametrize("model", [p for p in CORPUS if p.stem in REFUSED], ids=lambda p: p.stem)
 def test_what_the_corpus_cannot_run_as_it_is_is_refused_in_one_line(model, tmp_path):
     result, _ = infer(model, sample_inputs(model, batch_of(model)), tmp_path)
     lines = result.output.strip().splitlines()
     assert result.exit_code != 0 and len(lines) == 1 and REFUSED[model.stem] in lines[0], lines
 
 
-@pytest.mark.parametrize("model", CACHED, ids=lambda p: p.stem)
+@pytest.mark.parametrize("model", CORPUS, ids=lambda p: p.stem)
 def test_corpus_model_splits_and_trains_an_epoch(model, tmp_path):
     """`trainconf split` then `microtrain run` of one epoch, every weight trained, on the
     samples above as real values (a split int8 model takes the data before quantization)
