@@ -36,7 +36,7 @@ CORPUS = KEPT + sorted(
 # what microtrain refuses to run as it is, in one line naming it; `trainconf split` still
 # trains both (it lowers the LSTM and folds the shape chains of a dynamic batch)
 REFUSED = {
-    "lstm_b1_int8": "operator 1 (UNIDIRECTIONAL_SEQUENCE_LSTM)",  # int16 state, no kernel
+    "lstm_b1_int8": "operator 1 (UNIDIRECTIONAL_SEQUENCE_LSTM) computes on int16 activations",
     "transformer_int8": "has shape [-1, -1]: only the first dimension may be -1",
 }
 MODELS = [FIXTURES / "full_int8.tflite", FIXTURES / "ops_int8.tflite"] + [

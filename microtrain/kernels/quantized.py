@@ -13,7 +13,7 @@ from functools import partial
 
 import numpy as np
 
-from ..errors import OperatorError
+from ..errors import OperatorError, UserError
 from ..fixedpoint import (as_i64, divide_by_pot, doubling_high_mul, doubling_high_mul_truncated,
                           exp_on_negative_values, inv_sqrt_multiplier,
                           multiply_by_quantized_multiplier, reciprocal, round_half_away,
@@ -55,6 +55,14 @@ def integer_problem(g, op) -> str | None:
     if op.type not in INTEGER_KERNELS:
         return "on int8 activations has no integer kernel in microtrain"
     return None
+
+
+def check_integer_ops(g, path) -> None:
+    """A one-line UserError naming the first operator of graph g that microtrain cannot
+    run as its quantized tensors ask (integer_problem)."""
+    for op in g.ops:
+        if problem := integer_problem(g, op):
+            raise UserError(path, f"operator {op.index} ({op.type}) {problem}")
 
 
 def _centred(a: np.ndarray, q, dtype=F64) -> tuple[np.ndarray, Step]:
