@@ -252,6 +252,25 @@ def test_operators_on_the_stored_integers(op, inputs, shape, options):
           constant=tuple(range(1, len(inputs) + 1)), **options)
 
 
+@pytest.mark.parametrize("op,inputs,shapes,options", [
+    ("SPLIT", [np.array(2, np.int32), "x"], [(2, 4, 2), (2, 4, 2)], {"num_splits": 2}),
+    ("SPLIT_V", ["x", np.array([1, 3], np.int32), np.array(1, np.int32)], [(2, 1, 4), (2, 3, 4)],
+     {"num_splits": 2}),
+    ("PACK", ["x", "x"], [(2, 2, 4, 4)], {"axis": 1, "values_count": 2}),
+    ("TILE", ["x", np.array([1, 2, 1], np.int32)], [(2, 8, 4)], {}),
+    ("BROADCAST_TO", ["x", np.array([3, 2, 4, 4], np.int32)], [(3, 2, 4, 4)], {"version": 2}),
+    ("REVERSE_V2", ["x", np.array([1], np.int32)], [(2, 4, 4)], {}),
+    ("MIRROR_PAD", ["x", np.array([[0, 0], [1, 2], [2, 0]], np.int32)], [(2, 7, 6)], {"mode": 0}),
+])
+def test_operators_copying_the_stored_integers(op, inputs, shapes, options):
+    """Operators LiteRT's int8 kernels run on the stored values (parameters kept)."""
+    x, qx = int8(2, 4, 4), activation_q()
+    inputs = [x if isinstance(a, str) else a for a in inputs]
+    constant = tuple(i for i, a in enumerate(inputs) if a is not x)
+    check(op, inputs, shapes, [qx if a is x else None for a in inputs] + [qx] * len(shapes),
+          constant=constant, out_dtypes=[I8] * len(shapes), **options)
+
+
 def test_select_takes_the_stored_values():
     """Whatever their parameters, as LiteRT's SELECT_V2."""
     qx, condition = activation_q(), rng.random((2, 1, 5)) > 0.5
@@ -388,3 +407,18 @@ def test_gelu(approximate):
         check("GELU", [x], [x.shape], [q(scales[0], int(rng.integers(-20, 20))),
                                        q(scales[1], int(rng.integers(-40, 0)))],
               version=2, approximate=approximate)
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("padding,stride", [(0, 2), (1, 2), (1, 1)])
+def test_transpose_conv(per_channel, padding, stride):
+    x, qx = int8(2, 4, 5, 3), activation_q()
+    w, qw = weights((6, 3, 3, 3), 0, per_channel)
+    oh, ow = (4 * stride, 5 * stride) if padding == 0 else ((4 - 1) * stride + 3,
+                                                            (5 - 1) * stride + 3)
+    shape = np.array([2, oh, ow, 6], np.int32)
+    for with_bias in (True, False):
+        inputs = [shape, w, x] + ([bias(6)] if with_bias else [])
+        quants = [None, qw, qx] + ([q(qx.scale[0] * qw.scale, 0)] if with_bias else [])
+        check("TRANSPOSE_CONV", inputs, [(2, oh, ow, 6)], quants + [activation_q()],
+              constant=(0, 1, 3), version=3, padding=padding, stride_h=stride, stride_w=stride)

@@ -100,7 +100,7 @@ def _sums_type(name: str, x, w, qx, qw, opts: dict):
     products' count times the largest |x − zx| and |w − zw| the types allow), so that
     float32 sums are exact in any order of additions (BLAS's sgemm is about twice
     dgemm's speed); else float64, exact below 2**53."""
-    terms = {"CONV_2D": lambda: w[0].size,
+    terms = {"CONV_2D": lambda: w[0].size, "TRANSPOSE_CONV": lambda: w[0].size,
              "DEPTHWISE_CONV_2D": lambda: w.shape[1] * w.shape[2],
              "FULLY_CONNECTED": lambda: w.shape[-1],
              "BATCH_MATMUL": lambda: x.shape[-2 if opts.get("adj_x") else -1]}[name]()
@@ -114,16 +114,17 @@ def _span(dtype, q) -> int:
     return int(np.max(np.maximum(hi - zero, zero - lo)))
 
 
-def _weighted(name: str, inputs, outputs, quant, code: int, opts: dict):
-    """CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, BATCH_MATMUL: int32 sums of
-    (x − zx)·(w − zw) plus the int32 bias, requantized per output channel by
+def _weighted(name: str, inputs, outputs, quant, code: int, opts: dict, at=(0, 1, 2)):
+    """CONV_2D, DEPTHWISE_CONV_2D, FULLY_CONNECTED, BATCH_MATMUL, TRANSPOSE_CONV: int32
+    sums of (x − zx)·(w − zw) plus the int32 bias, requantized per output channel by
     scale_x·scale_w/scale_y (in double, as TFLite's per-channel multipliers).  The sums
     are the float kernels' on centred copies (_sums_type), the bias added in int64.
-    LiteRT's reference FULLY_CONNECTED rounds the product once, the convolutions and
-    BATCH_MATMUL twice (measured: tests/test_kernels_quantized.py)."""
-    x, w, b = (*inputs, None)[:3]
+    LiteRT's reference FULLY_CONNECTED rounds the product once, the others twice
+    (measured: tests/test_kernels_quantized.py).  `at`: the positions of x, w and the
+    bias among the inputs (the float kernel gets the others as they are)."""
+    x, w, b = (inputs[i] if i < len(inputs) else None for i in at)
     (y,) = outputs
-    (qx, qw), qy = quant.inputs[:2], quant.outputs[0]
+    (qx, qw), qy = (quant.inputs[i] for i in at[:2]), quant.outputs[0]
     if qw is None:
         raise OperatorError(None, "its weights are not quantized (a model that mixes float "
                                   "weights with int8 activations)")
@@ -131,7 +132,11 @@ def _weighted(name: str, inputs, outputs, quant, code: int, opts: dict):
     xs, load_x = _centred(x, qx, dtype)
     ws, load_w = _centred(w, qw, dtype)
     acc = scratch(y.shape, dtype)
-    inner = KERNELS[name]([xs, ws, None][:len(inputs)], [acc], **opts)
+    operands = list(inputs)
+    operands[at[0]], operands[at[1]] = xs, ws
+    if at[2] < len(operands):
+        operands[at[2]] = None
+    inner = KERNELS[name](operands, [acc], **opts)
     real = _scale(qx) * qw.scale.astype(F64) / _scale(qy)
     once = name == "FULLY_CONNECTED"
     return in_sequence([load_x, load_w, inner, _requantizer(acc, b, y, real, qy, code, once)])
@@ -150,6 +155,13 @@ def depthwise_conv_2d(inputs, outputs, quant, fused_activation_function=0, **opt
 @kernel("FULLY_CONNECTED", integer=True)
 def fully_connected(inputs, outputs, quant, fused_activation_function=0, **opts):
     return _weighted("FULLY_CONNECTED", inputs, outputs, quant, fused_activation_function, opts)
+
+
+@kernel("TRANSPOSE_CONV", integer=True)
+def transpose_conv(inputs, outputs, quant, fused_activation_function=0, **opts):
+    """Inputs: the output's shape, the weights, x, the bias."""
+    return _weighted("TRANSPOSE_CONV", inputs, outputs, quant, fused_activation_function, opts,
+                     at=(2, 1, 3))
 
 
 @kernel("BATCH_MATMUL", integer=True)
@@ -523,7 +535,8 @@ def concatenation(inputs, outputs, quant, fused_activation_function=0, **opts):
 AS_STORED = ("RESHAPE", "SQUEEZE", "EXPAND_DIMS", "TRANSPOSE", "STRIDED_SLICE", "SLICE",
              "PADV2", "SHAPE", "SPACE_TO_DEPTH", "DEPTH_TO_SPACE", "GATHER",
              "RESIZE_NEAREST_NEIGHBOR", "MAXIMUM", "MINIMUM", "REDUCE_MAX", "SELECT",
-             "SELECT_V2")
+             "SELECT_V2", "SPLIT", "SPLIT_V", "PACK", "TILE", "BROADCAST_TO", "REVERSE_V2",
+             "MIRROR_PAD")
 
 
 def _as_stored(name, inputs, outputs, quant, **options):
