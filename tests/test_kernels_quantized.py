@@ -422,3 +422,13 @@ def test_transpose_conv(per_channel, padding, stride):
         quants = [None, qw, qx] + ([q(qx.scale[0] * qw.scale, 0)] if with_bias else [])
         check("TRANSPOSE_CONV", inputs, [(2, oh, ow, 6)], quants + [activation_q()],
               constant=(0, 1, 3), version=3, padding=padding, stride_h=stride, stride_w=stride)
+
+
+@pytest.mark.parametrize("align_corners,half_pixel_centers", [(False, False), (True, False),
+                                                              (False, True)])
+@pytest.mark.parametrize("size", [(8, 10), (3, 2), (5, 7)])
+def test_resize_bilinear(align_corners, half_pixel_centers, size):
+    x, qx = int8(2, 4, 5, 3), activation_q()
+    check("RESIZE_BILINEAR", [x, np.array(size, np.int32)], [(2, *size, 3)], [qx, None, qx],
+          constant=(1,), version=3, align_corners=align_corners,
+          half_pixel_centers=half_pixel_centers)

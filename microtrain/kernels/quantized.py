@@ -493,6 +493,46 @@ def _multiplier16(real: np.float32) -> tuple[int, int]:
     return (32767 if mult >= (1 << 31) - 1 - (1 << 15) else (mult + (1 << 15)) >> 16), exponent
 
 
+RESIZE_FRACTION_BITS = 10  # TFLite's integer bilinear resize: positions in 1/1024 of a pixel
+
+
+def _integer_taps(n_in: int, n_out: int, align_corners: bool, half_pixel_centers: bool):
+    """TFLite's ComputeInterpolationValuesInteger over the output indices: (source
+    position in 1/1024 pixel, lower index, upper index), C's truncating divisions."""
+    one = 1 << RESIZE_FRACTION_BITS
+    scale = (one * n_in + n_out // 2) // n_out
+    if align_corners and n_out > 1:
+        scale = (one * (n_in - 1) + (n_out - 1) // 2) // (n_out - 1)
+    pos = np.arange(n_out, dtype=np.int64) * scale
+    if half_pixel_centers:
+        pos = pos + scale // 2 - one // 2
+    lower = np.maximum(np.fix(pos / one).astype(np.int64), 0)
+    upper = np.minimum(np.fix((pos + one - 1) / one).astype(np.int64), n_in - 1)
+    return pos, lower, upper
+
+
+@kernel("RESIZE_BILINEAR", integer=True)
+def resize_bilinear(inputs, outputs, quant, align_corners=False, half_pixel_centers=False, **_):
+    """TFLite's integer bilinear resize on the stored values (input and output share their
+    parameters): weights in 1/1024 of a pixel along each axis, the four products summed
+    in int64 and divided by 2**20, rounded half away from zero."""
+    x, (y,) = inputs[0], outputs
+    one = 1 << RESIZE_FRACTION_BITS
+    (ys, y0, y1), (xs, x0, x1) = (
+        _integer_taps(n_in, n_out, align_corners, half_pixel_centers)
+        for n_in, n_out in ((x.shape[1], y.shape[1]), (x.shape[2], y.shape[2])))
+    dy, dx = (ys - one * y0)[:, None, None], (xs - one * x0)[None, :, None]
+
+    def step():
+        v = as_i64(x)
+        top = v[:, y0][:, :, x0] * (one - dx) + v[:, y0][:, :, x1] * dx
+        bottom = v[:, y1][:, :, x0] * (one - dx) + v[:, y1][:, :, x1] * dx
+        total = top * (one - dy) + bottom * dy
+        half = np.where(total > 0, 1 << 19, -(1 << 19))
+        np.copyto(y, np.fix((total + half) / (1 << 20)).astype(np.int64), casting="unsafe")
+    return step
+
+
 @kernel("QUANTIZE", integer=True)
 def quantize_op(inputs, outputs, quant, **_):
     """Float to integers (TFLite's affine quantization), or integers to integers of
