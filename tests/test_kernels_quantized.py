@@ -211,6 +211,17 @@ def test_requantize():
         check("QUANTIZE", [x], [x.shape], [qx, qy], version=2)
 
 
+def test_uint8_edges():
+    """QUANTIZE from and to uint8 (a model's uint8 input or output), DEQUANTIZE of uint8."""
+    u = np.arange(0, 256, dtype=np.uint8).reshape(16, 16)
+    x = np.arange(-128, 128, dtype=I8).reshape(16, 16)
+    for _ in range(3):
+        qu = q(rng.uniform(0.005, 0.1), int(rng.integers(100, 156)))
+        check("QUANTIZE", [u], [u.shape], [qu, activation_q()], version=2)
+        check("QUANTIZE", [x], [x.shape], [activation_q(), qu], out_dtypes=[np.uint8], version=2)
+        check("DEQUANTIZE", [u], [u.shape], [qu, None], out_dtypes=[np.float32], version=2)
+
+
 def test_pad_uses_the_zero_point():
     x, qx = int8(2, 3, 3, 2), activation_q()
     paddings = np.array([[0, 0], [1, 2], [2, 0], [0, 0]], np.int32)

@@ -24,8 +24,12 @@ from . import INTEGER_KERNELS, KERNELS, Step, in_sequence, kernel
 from .workspace import scratch
 
 F64 = np.float64
-# what the kernels compute on: int8 activations (int32: a bias cut out of the graph to train)
+# what the kernels compute on: int8 activations (int32: a bias cut out of the graph to train);
+# QUANTIZE and DEQUANTIZE also take uint8, the edges of a model converted with uint8 inputs
+# or outputs (`inference_input_type=tf.uint8`)
 COMPUTED_TYPES = (np.dtype(np.int8), np.dtype(np.int32))
+EDGE_TYPES = {"QUANTIZE": COMPUTED_TYPES + (np.dtype(np.uint8),),
+              "DEQUANTIZE": COMPUTED_TYPES + (np.dtype(np.uint8),)}
 
 
 def integer_problem(g, op) -> str | None:
@@ -44,7 +48,7 @@ def integer_problem(g, op) -> str | None:
         t, q = g.tensors[i], g.tensors[i].quantization
         if q is None:
             continue
-        if t.data is None and t.dtype not in COMPUTED_TYPES:
+        if t.data is None and t.dtype not in EDGE_TYPES.get(op.type, COMPUTED_TYPES):
             return (f"computes on {t.dtype} activations (tensor {i} '{t.name}'): microtrain's "
                     "integer kernels compute int8 activations only")
         if not (np.isfinite(q.scale).all() and (q.scale > 0).all()) or \
