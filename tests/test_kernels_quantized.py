@@ -340,6 +340,22 @@ def test_relus(op):
         check(op, [x], [x.shape], [qx, qy], version=2 if op != "RELU_N1_TO_1" else 1)
 
 
+@pytest.mark.parametrize("alpha_shape", [(1, 1, 3), (3,)])
+def test_prelu(alpha_shape):
+    x = np.arange(-128, 128, dtype=I8)[:252].reshape(2, 42, 3)
+    for _ in range(4):
+        qa = q(rng.uniform(0.001, 0.01), int(rng.integers(-20, 20)))
+        check("PRELU", [x, int8(*alpha_shape)], [x.shape], [activation_q(), qa, activation_q()],
+              constant=(1,))
+
+
+def test_arg_max_and_min_compare_the_stored_values():
+    x = int8(3, 5, 7)
+    for op in ("ARG_MAX", "ARG_MIN"):
+        check(op, [x, np.array([1], np.int32)], [(3, 7)], [activation_q(), None, None],
+              constant=(1,), out_dtypes=[np.int32], version=2, output_type=2)
+
+
 @pytest.mark.parametrize("alpha", [0.2, 0.01, 1.5])
 def test_leaky_relu(alpha):
     x = np.arange(-128, 128, dtype=I8).reshape(16, 16)

@@ -283,6 +283,27 @@ def leaky_relu(inputs, outputs, quant, alpha=0.2, **_):
     return step
 
 
+@kernel("PRELU", integer=True)
+def prelu(inputs, outputs, quant, **_):
+    """TFLite's int8 PRELU: x − zx requantized by scale_x/scale_y where it is not
+    negative, (x − zx)·(alpha − z_alpha) by scale_x·scale_alpha/scale_y where it is (in
+    double), plus zy, saturated."""
+    (x, alpha), (y,) = inputs, outputs
+    (qx, qa), qy = quant.inputs, quant.outputs[0]
+    identity = quantize_multiplier(_scale(qx) / _scale(qy))
+    sloped = quantize_multiplier(_scale(qx) * _scale(qa) / _scale(qy))
+    lo, hi = type_range(y.dtype)
+    zx, za, zy = (int(q.zero_point[0]) for q in (qx, qa, qy))
+
+    def step():
+        centred = as_i64(x) - zx
+        negative = np.broadcast_to(centred < 0, y.shape)
+        product = np.where(negative, centred * (as_i64(alpha) - za), centred)
+        mult, shift = (np.where(negative, b, a) for a, b in zip(identity, sloped))
+        np.copyto(y, requantize(product, mult, shift, zy, lo, hi, y.dtype))
+    return step
+
+
 @kernel("MUL", integer=True)
 def mul(inputs, outputs, quant, fused_activation_function=0, **_):
     """TFLite's 8-bit MUL: (x1 − z1)·(x2 − z2) requantized by scale1·scale2/scale_y,
@@ -580,7 +601,7 @@ AS_STORED = ("RESHAPE", "SQUEEZE", "EXPAND_DIMS", "TRANSPOSE", "STRIDED_SLICE", 
              "PADV2", "SHAPE", "SPACE_TO_DEPTH", "DEPTH_TO_SPACE", "GATHER",
              "RESIZE_NEAREST_NEIGHBOR", "MAXIMUM", "MINIMUM", "REDUCE_MAX", "SELECT",
              "SELECT_V2", "SPLIT", "SPLIT_V", "PACK", "TILE", "BROADCAST_TO", "REVERSE_V2",
-             "MIRROR_PAD")
+             "MIRROR_PAD", "ARG_MAX", "ARG_MIN")
 
 
 def _as_stored(name, inputs, outputs, quant, **options):
