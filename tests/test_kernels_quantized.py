@@ -317,6 +317,13 @@ def test_hard_swish(scales):
                                          q(scales[1], int(rng.integers(-20, 20)))])
 
 
+@pytest.mark.parametrize("scales", [(0.01, 0.02), (0.02, 0.05), (0.05, 0.3)])
+def test_exp(scales):
+    x = np.arange(-128, 128, dtype=I8).reshape(16, 16)
+    check("EXP", [x], [x.shape], [q(scales[0], int(rng.integers(-20, 20))), q(scales[1], -128)],
+          version=2)
+
+
 @pytest.mark.parametrize("scale", [0.01, 0.05, 0.3])
 def test_tanh(scale):
     x = np.arange(-128, 128, dtype=I8).reshape(16, 16)

@@ -442,6 +442,12 @@ def logistic(inputs, outputs, quant, **_):
     return _float_table(inputs[0], outputs[0], quant, sigmoid)
 
 
+@kernel("EXP", integer=True)
+def exp(inputs, outputs, quant, **_):
+    """exp by table."""
+    return _float_table(inputs[0], outputs[0], quant, np.exp)
+
+
 @kernel("TANH", integer=True)
 def tanh(inputs, outputs, quant, **_):
     """tanh by table (output scale 1/128)."""
