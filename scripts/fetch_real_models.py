@@ -135,7 +135,7 @@ def keras_worker(out: Path, is_wanted) -> None:
         "small_cnn": small_cnn,  # its outputs are far from uniform, unlike the deep ones' here
     }
     # the variants besides the float model: both quantized forms of two, full integer of all
-    variants_of = {"mobilenet_v2": ("_dynamic_int8", "_int8"), "small_cnn": ("_dynamic_int8", "_int8")}
+    variants_of = {name: ("_dynamic_int8", "_int8") for name in ("mobilenet_v2", "small_cnn")}
 
     # applications that rescale their input themselves take pixels in [0, 255], the others [0, 1]
     pixel_scale = {"mobilenet_v3_small": 255.0, "efficientnet_b0": 255.0}

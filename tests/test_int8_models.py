@@ -163,7 +163,9 @@ def test_every_activation_equals_litert_reference_kernels(model):
     trainer.predict(xs)
     run = litert(model, xs, keep=True)
     computed = [t for op in trainer.art.forward.ops for t in op.outputs]
-    degenerate = []  # int8 tensors of at most two values (random weights: BERT's uniform attention, MobileNetV3's head)
+    # int8 tensors of at most two values (random weights: BERT's uniform attention, MobileNetV3's
+    # head), to tell a run that compared something
+    degenerate = []
     for t in computed:
         want = run.get_tensor(t)
         if want.dtype == np.int8 and len(np.unique(want)) <= 2:
