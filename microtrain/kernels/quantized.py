@@ -477,8 +477,9 @@ RSQRT_SHIFT = 20  # TFLite's headroom for 1/sqrt of an integer
 @kernel("RSQRT", integer=True)
 def rsqrt(inputs, outputs, quant, **_):
     """TFLite's int8 RSQRT by table: 1/sqrt(x − zx) in fixed point
-    (GetInvSqrtQuantizedMultiplierExp: Newton–Raphson in Q3.28), times 1/(sqrt(scale_x)·scale_y) (the square root and the product
-    in float32, the reciprocal in double); x = zx gives the type's largest value."""
+    (GetInvSqrtQuantizedMultiplierExp: Newton–Raphson in Q3.28), times
+    1/(sqrt(scale_x)·scale_y) (the square root and the product in float32, the reciprocal
+    in double); x = zx gives the type's largest value."""
     (x,), (y,) = inputs, outputs
     qx, qy = quant.inputs[0], quant.outputs[0]
     mult, shift = (int(v) for v in quantize_multiplier(
