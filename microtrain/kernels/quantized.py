@@ -2,10 +2,11 @@
 reference kernels compute them, to the bit.
 
 Products of int8 values are summed exactly: the operands, minus their zero
-points, are copied into float64 scratch, where the float kernels of this
-package compute the sums (integers below 2**53 are exact in float64 whatever the
-order of the additions), and the int32 accumulator is then requantized with the
-fixed-point arithmetic of microtrain/fixedpoint.py.  Each factory takes the
+points, are copied into float scratch, where the float kernels of this package
+compute the sums (float32 where no sum can pass 2**24, else float64, exact below
+2**53: exact either way whatever the order of the additions), and the int32
+accumulator is then requantized with the fixed-point arithmetic of
+microtrain/fixedpoint.py.  Each factory takes the
 OpQuantization of the operator's tensors after its arrays.
 """
 import math
