@@ -12,6 +12,7 @@ from .files import map_regular
 from .format.model import get_metadata, model_from_bytes
 from .format.wof import MAGIC, VERSION, layout, wof_from_bytes
 from .graph import BATCH, Graph, Tensor, check_dataflow, graph_of, symbolic_batch
+from .kernels.quantized import check_integer_ops
 from .loss_registry import default_loss
 
 try:  # CPython's own SHA-256: hashlib would load OpenSSL (~4 MB resident) just for this
@@ -177,6 +178,8 @@ def _forward(model, path: Path, given: set[int]) -> Graph:
 
 def _plain(path: Path, model, data: bytes) -> Artifacts:
     """A model no split wrote, to run forward as it is: nothing trains."""
+    # quantized operators it cannot run first: an int8 LSTM reads int16 state no operator writes
+    check_integer_ops(graph_of(model), path)
     try:
         forward = _forward(model, path, set())
     except UserError as e:  # a constant split would have made plain float32 (sparse, ...)

@@ -21,7 +21,7 @@ from .errors import OperatorError, UserError
 from .graph import Graph, batched, concrete_shape
 from .kernels import KERNELS, prepare, version_problem
 from .kernels.fake_quant import levels_problem
-from .kernels.quantized import integer_problem
+from .kernels.quantized import check_integer_ops
 from .kernels.workspace import Workspace, begin_kernel, scratch, sharing
 from .lazy import RowGrad
 from .loss_registry import LOSS_OPS
@@ -39,8 +39,9 @@ SPLIT_RESOLVES = ("DEQUANTIZE", "DENSIFY")
 
 
 def _check_kernels(g: Graph, path) -> None:
+    check_integer_ops(g, path)
     for op in g.ops:
-        if problem := integer_problem(g, op) or levels_problem(g, op):
+        if problem := levels_problem(g, op):
             raise UserError(path, f"operator {op.index} ({op.type}) {problem}")
         if op_quantization(g, op) is not None:
             continue

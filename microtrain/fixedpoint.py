@@ -153,3 +153,31 @@ def reciprocal(x, integer_bits: int) -> tuple[np.ndarray, np.ndarray]:
     leading = 32 - np.frexp(x.astype(np.float64))[1].astype(np.int64)  # CountLeadingZeros
     shifted = ((x << leading) & 0xFFFFFFFF) - (1 << 31)
     return _one_over_one_plus_x(shifted), integer_bits - leading
+
+
+_HALF_SQRT_2 = 1518500250  # sqrt(2)/2, FixedPoint<int32, 0>
+
+
+def inv_sqrt_multiplier(x) -> tuple[np.ndarray, np.ndarray]:
+    """TFLite's GetInvSqrtQuantizedMultiplierExp (reverse shift −1) of x >= 0: (multiplier,
+    left shift) with 1/sqrt(x) ≈ multiplier · 2**(shift − 31); x <= 1 gives (MAX, 0).  x is
+    brought into [2**27, 2**29) by shifting pairs of bits, then 1/sqrt by five Newton–Raphson
+    steps from 1 in FixedPoint<int32, 3>."""
+    x = as_i64(x)
+    small = x <= 1
+    shift = np.full(x.shape, 11, np.int64)
+    while (big := x >= (1 << 29)).any():
+        x, shift = np.where(big, x // 4, x), shift + big
+    leading = 32 - np.frexp(np.maximum(x, 1).astype(np.float64))[1].astype(np.int64)
+    pairs = (leading - 1) // 2 - 1
+    shift, x = shift - pairs, x << (2 * pairs)
+    half_input = divide_by_pot(x >> 1, 1)  # Q3.28
+    half_three = (1 << 28) + (1 << 27)  # 1.5
+    root = np.full(x.shape, 1 << 28, np.int64)  # 1
+    for _ in range(5):
+        cube = saturating_shift_left(doubling_high_mul(doubling_high_mul(root, root), root), 6)
+        root = saturating_shift_left(wrap32(doubling_high_mul(half_three, root)
+                                            - doubling_high_mul(half_input, cube)), 3)
+    root = doubling_high_mul(root, _HALF_SQRT_2)
+    root, shift = np.where(shift < 0, root << np.maximum(-shift, 0), root), np.maximum(shift, 0)
+    return np.where(small, I32_MAX, root), np.where(small, 0, -shift)

@@ -7,9 +7,12 @@
   give it with --mediapipe-wheel or the script fetches it with `pip download`.
 - keras: Keras applications with random weights (weights=None), a 10-class head and a 32x32x3
   input (the smallest each allows), their batch-norm statistics set like the torch models'
-  (below), converted by TensorFlow's TFLiteConverter from a SavedModel, and a small CNN; MobileNetV2 and the CNN also quantized two ways: dynamic range (int8 weights,
-  float activations) and full integer (int8 activations). Needs TensorFlow and Pillow: --tf-python
-  names an interpreter that has them.
+  (below; pixels in [0, 255] for the two that rescale them themselves, MobileNetV3Small and
+  EfficientNetB0, else [0, 1]), converted by TensorFlow's TFLiteConverter from a SavedModel, and
+  a small CNN; each also full integer (int8 activations, NAME_int8.tflite: calibrated on the
+  same photograph crops, MobileNetV2 and the CNN on uniform noise), MobileNetV2 and the CNN
+  dynamic range too (int8 weights, float activations). Needs TensorFlow and Pillow:
+  --tf-python names an interpreter that has them.
 - torch: PyTorch models with random weights converted by litert-torch: a small CNN,
   torchvision's mobilenet_v3_small and resnet18, their batch-norm statistics set from random
   crops of the photographs (below) as training would set them: with torchvision's initial ones (mean 0,
@@ -25,9 +28,10 @@ ids of VOCAB kinds, SEQ long, layers WIDTH wide; nothing is downloaded from a mo
   classifier from a small config (both), a user/item embedding recommender, and four
   convolutional ones: two keyword spotters on 49x10 MFCCs, a 1-D conv over log-mel frames and
   one over token embeddings. Converted from a SavedModel (`model.export` with a static-batch
-  signature where batch 1).
+  signature where batch 1); those of INT8_TEXT also full integer (NAME_int8.tflite).
 - tf_keras (--tf-python): Keras 2 LSTM (the fused UNIDIRECTIONAL_SEQUENCE_LSTM), Bidirectional
-  LSTM, SimpleRNN and GRU classifiers and an LSTM next-word model, batch 1.
+  LSTM, SimpleRNN and GRU classifiers and an LSTM next-word model, batch 1; the LSTM
+  classifier also full integer (its state int16).
 - torch_text (--torch-python, with transformers): nn.TransformerEncoder and nn.LSTM
   classifiers over nn.Embedding and a 2-layer GPT-2 causal LM (transformers' GPT2Config), by
   litert-torch, batch 1.
@@ -60,6 +64,12 @@ SEED = 0
 # the sequence models: token ids of VOCAB kinds, SEQ long, layers WIDTH wide
 VOCAB, SEQ, WIDTH, USERS = 200, 16, 32, 100
 MFCC, KEYWORDS = (49, 10, 1), 12
+# the sequence models also converted to full-integer int8 (NAME_int8.tflite beside NAME.tflite);
+# not the RNNs of WHILE loops (Keras 3's LSTM and GRU, tf_keras's GRU): TensorFlow 2.21's int8
+# converter dies on them (SIGSEGV), only tf_keras's fused LSTM converts
+INT8_TEXT = {"keras_text": ("conv1d_text", "conv1d_audio", "kws_cnn", "kws_ds_cnn", "transformer",
+                            "transformer_b1", "bert_b1"),
+             "tf_keras": ("lstm_b1",)}
 
 
 def default_cache() -> Path:
@@ -103,7 +113,7 @@ def fetch_images(cache: Path) -> None:
 # ---------------------------------------------------------------- keras (worker, needs TensorFlow)
 
 
-def keras_worker(out: Path) -> None:
+def keras_worker(out: Path, is_wanted) -> None:
     import tempfile
 
     import numpy as np
@@ -124,22 +134,23 @@ def keras_worker(out: Path) -> None:
         "densenet121": keras.applications.DenseNet121,
         "small_cnn": small_cnn,  # its outputs are far from uniform, unlike the deep ones' here
     }
-    quantized = ("mobilenet_v2", "small_cnn")
+    # the variants besides the float model: both quantized forms of two, full integer of all
+    variants_of = {name: ("_dynamic_int8", "_int8") for name in ("mobilenet_v2", "small_cnn")}
 
-    def representative():
+    # applications that rescale their input themselves take pixels in [0, 255], the others [0, 1]
+    pixel_scale = {"mobilenet_v3_small": 255.0, "efficientnet_b0": 255.0}
+
+    def representative(images=None):
+        """Calibration batches of the int8 converter: the images (as the batch norms saw
+        them), or uniform noise in [0, 255], which MobileNetV2 and the CNN keep (the int8
+        tables of docs/quantization.md were measured on those models)."""
+        if images is not None:
+            return lambda: ([image[None]] for image in images[::4])
         rng = np.random.default_rng(SEED)
-        for _ in range(16):
-            yield [rng.uniform(0, 255, (1, *INPUT)).astype(np.float32)]
+        return lambda: ([rng.uniform(0, 255, (1, *INPUT)).astype(np.float32)] for _ in range(16))
 
     def dynamic_range(c):
         c.optimizations = [tf.lite.Optimize.DEFAULT]
-
-    def full_int8(c):
-        dynamic_range(c)
-        c.representative_dataset = representative
-        c.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-        c.inference_input_type = tf.int8
-        c.inference_output_type = tf.int8
 
     def calibrate_batch_norm(model, x):
         """Every batch norm's moving statistics set to those of batch x (momentum 0), with
@@ -153,18 +164,23 @@ def keras_worker(out: Path) -> None:
         if norms:
             model(x, training=True)
 
-    variants = {"": None, "_dynamic_int8": dynamic_range, "_int8": full_int8}
     out.mkdir(parents=True, exist_ok=True)
     crops = photograph_crops(out.parent / "images", *INPUT[:2])
     for name, app in apps.items():
+        wanted = [v for v in ("", *variants_of.get(name, ("_int8",))) if is_wanted(f"{name}{v}")]
+        if not wanted:
+            continue
         keras.utils.set_random_seed(SEED)
         model = app(weights=None, classes=CLASSES, input_shape=INPUT)
-        calibrate_batch_norm(model, crops)
+        images = crops * pixel_scale.get(name, 1.0)
+        calibrate_batch_norm(model, images)
+        samples = representative(None if name in variants_of else images)
+        variants = {"": None, "_dynamic_int8": dynamic_range,
+                    "_int8": lambda c: full_int8(tf, c, samples)}
         with tempfile.TemporaryDirectory() as tmp:
             model.export(tmp, verbose=False)
-            for suffix, configure in variants.items():
-                if suffix and name not in quantized:
-                    continue
+            for suffix in wanted:
+                configure = variants[suffix]
                 converter = tf.lite.TFLiteConverter.from_saved_model(tmp)
                 if configure:
                     configure(converter)
@@ -175,8 +191,9 @@ def keras_worker(out: Path) -> None:
 # ---------------------------------------------------------------- keras_text (worker, needs TensorFlow)
 
 
-def keras_text_worker(out: Path) -> None:
-    """Keras 3 sequence, transformer, recommender and audio models with random weights."""
+def keras_text_worker(out: Path, is_wanted) -> None:
+    """Keras 3 sequence, transformer, recommender and audio models with random weights, and
+    full-integer int8 forms of those of INT8_TEXT."""
     keras, tf = tf_imports()
     import keras_hub
     import numpy as np
@@ -262,24 +279,33 @@ def keras_text_worker(out: Path) -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     for name, (build, batch) in models.items():
+        wanted = [v for v in ("", "_int8") if is_wanted(f"{name}{v}")
+                  and (not v or name in INT8_TEXT["keras_text"])]
+        if not wanted:
+            continue
         keras.utils.set_random_seed(SEED)
         model = build(batch)
         signature = [tf.nest.map_structure(
             lambda i: tf.TensorSpec((batch, *i.shape[1:]), i.dtype, name=i.name), model.input)]
-        convert_saved_model(tf, lambda d: model.export(d, input_signature=signature, verbose=False),
-                            out / f"{name}.tflite")
+        samples = lambda: representative_inputs(np, signature[0])
+        for suffix in wanted:
+            configure = (lambda c: full_int8(tf, c, samples)) if suffix else None
+            convert_saved_model(
+                tf, lambda d: model.export(d, input_signature=signature, verbose=False),
+                out / f"{name}{suffix}.tflite", configure)
 
 
 # ---------------------------------------------------------------- tf_keras (worker, needs TensorFlow)
 
 
-def tf_keras_worker(out: Path) -> None:
+def tf_keras_worker(out: Path, is_wanted) -> None:
     """Keras 2 (tf_keras) recurrent models with random weights. Their LSTMs convert to the fused
     UNIDIRECTIONAL_SEQUENCE_LSTM (a Bidirectional one to two of them and a REVERSE_V2; the
     converter makes no BIDIRECTIONAL_SEQUENCE_LSTM); SimpleRNN and GRU to WHILE loops. Only
     batch-1 builds convert: with a dynamic batch TensorFlow 2.21's converter fails ("Lowering
     tensor list ops is failed") from the Keras model and from a SavedModel alike."""
     _, tf = tf_imports()
+    import numpy as np
     import tf_keras
 
     L = tf_keras.layers
@@ -299,9 +325,52 @@ def tf_keras_worker(out: Path) -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     for name, build in models.items():
+        wanted = [v for v in ("", "_int8") if is_wanted(f"{name}{v}")
+                  and (not v or name in INT8_TEXT["tf_keras"])]
+        if not wanted:
+            continue
         tf_keras.utils.set_random_seed(SEED)
         model = build()
-        convert_saved_model(tf, lambda d: model.save(d, save_format="tf"), out / f"{name}.tflite")
+        samples = lambda: representative_inputs(np, model.inputs)
+        for suffix in wanted:
+            configure = (lambda c: full_int8(tf, c, samples)) if suffix else None
+            convert_saved_model(tf, lambda d: model.save(d, save_format="tf"),
+                                out / f"{name}{suffix}.tflite", configure)
+
+
+def full_int8(tf, converter, representative) -> None:
+    """Set up `converter` for a full-integer int8 model: int8 weights and activations
+    calibrated on the batches `representative()` yields, int8 float inputs and outputs
+    (integer inputs, token ids, stay as they are)."""
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    converter.representative_dataset = representative
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+    converter.inference_input_type = tf.int8
+    converter.inference_output_type = tf.int8
+
+
+def representative_inputs(np, specs, batches: int = 16):
+    """Calibration batches (batch 1) for inputs of `specs` (Keras inputs or TensorSpecs, one or
+    a dict): token ids in [0, VOCAB) for an input named token_ids or item_id, [0, USERS) for
+    user_id, ones for other integer inputs (BERT's segment ids and padding mask), standard
+    normal values for float ones; a list in the inputs' order, a dict for named inputs."""
+    rng = np.random.default_rng(SEED)
+    top = {"token_ids": VOCAB, "item_id": VOCAB, "user_id": USERS}
+    named = isinstance(specs, dict)
+    specs = specs if named else dict(enumerate(specs if isinstance(specs, (list, tuple))
+                                               else [specs]))
+    for _ in range(batches):
+        batch = {}
+        for key, spec in specs.items():
+            shape = (1, *spec.shape[1:])
+            dtype = np.dtype(getattr(spec.dtype, "as_numpy_dtype", spec.dtype))
+            if dtype.kind in "iu":
+                name = str(key) if named else spec.name.split(":")[0]
+                batch[key] = (rng.integers(0, top[name], shape) if name in top
+                              else np.ones(shape)).astype(dtype)
+            else:
+                batch[key] = rng.standard_normal(shape).astype(dtype)
+        yield batch if named else list(batch.values())
 
 
 def tf_imports():
@@ -313,15 +382,19 @@ def tf_imports():
     return keras, tf
 
 
-def convert_saved_model(tf, export, path: Path) -> None:
-    """export(dir) writes a SavedModel that TFLiteConverter turns into `path`; a model the
-    converter refuses is reported on one line and skipped, so the others still convert."""
+def convert_saved_model(tf, export, path: Path, configure=None) -> None:
+    """export(dir) writes a SavedModel that TFLiteConverter (set up by `configure`, if given)
+    turns into `path`; a model the converter refuses is reported on one line and skipped, so
+    the others still convert."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         try:
             export(tmp)
-            path.write_bytes(tf.lite.TFLiteConverter.from_saved_model(tmp).convert())
+            converter = tf.lite.TFLiteConverter.from_saved_model(tmp)
+            if configure:
+                configure(converter)
+            path.write_bytes(converter.convert())
         except Exception as e:  # noqa: BLE001 - any converter failure: report, go on
             print(f"{path.parent.name}/{path.name}: not converted: {str(e).strip().splitlines()[-1]}")
             return
@@ -331,7 +404,7 @@ def convert_saved_model(tf, export, path: Path) -> None:
 # ---------------------------------------------------------------- torch (worker, needs litert-torch)
 
 
-def torch_worker(out: Path) -> None:
+def torch_worker(out: Path, is_wanted) -> None:
     import litert_torch
     import torch
     import torchvision
@@ -356,6 +429,8 @@ def torch_worker(out: Path) -> None:
     h, w, c = INPUT
     crops = torch.from_numpy(photograph_crops(out.parent / "images", h, w)).permute(0, 3, 1, 2)
     for name, make in models.items():
+        if not is_wanted(name):
+            continue
         torch.manual_seed(SEED)
         model = calibrate_batch_norm(make(), crops)
         litert_torch.convert(model, (torch.randn(1, c, h, w),)).export(str(out / f"{name}.tflite"))
@@ -365,7 +440,7 @@ def torch_worker(out: Path) -> None:
 # ---------------------------------------------------------------- torch_text (worker, needs litert-torch)
 
 
-def torch_text_worker(out: Path) -> None:
+def torch_text_worker(out: Path, is_wanted) -> None:
     """PyTorch sequence models with random weights, converted by litert-torch (batch 1):
     nn.TransformerEncoder and nn.LSTM classifiers over nn.Embedding, and a GPT-2 causal LM
     from transformers (per-token logits [1, SEQ, VOCAB])."""
@@ -407,6 +482,8 @@ def torch_text_worker(out: Path) -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     for name, make in models.items():
+        if not is_wanted(name):
+            continue
         torch.manual_seed(SEED)
         ids = torch.randint(0, VOCAB, (1, SEQ), dtype=torch.int32)
         try:
@@ -464,6 +541,20 @@ FIXTURES = {"keras_lstm_b1": "keras_text/lstm_b1", "tf_keras_lstm_b1": "tf_keras
 FIXTURE_SAMPLES = 32
 
 
+# the small int8 models the test suite keeps (tests/fixtures/int8_corpus), by file name
+INT8_FIXTURES = {name: f"{source}/{name}" for source, name in (
+    ("keras_text", "bert_b1_int8"), ("keras_text", "transformer_b1_int8"),
+    ("keras_text", "conv1d_text_int8"), ("keras_text", "kws_ds_cnn_int8"),
+    ("tf_keras", "lstm_b1_int8"))}
+
+
+def copy_models(cache: Path, out: Path, models: dict[str, str]) -> None:
+    """Copy cache/<source>.tflite to out/<name>.tflite for each name: source of `models`."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, source in models.items():
+        (out / f"{name}.tflite").write_bytes((cache / f"{source}.tflite").read_bytes())
+
+
 def write_sequence_fixtures(cache: Path, out: Path) -> None:
     """The small sequence models of FIXTURES copied from the cache into `out` (the test suite's
     tests/fixtures/sequence), with data to train them: token ids and one-hot labels (the
@@ -471,9 +562,7 @@ def write_sequence_fixtures(cache: Path, out: Path) -> None:
     0/1 ratings (1 where their parities agree) for the recommender."""
     import numpy as np
 
-    out.mkdir(parents=True, exist_ok=True)
-    for name, source in FIXTURES.items():
-        (out / f"{name}.tflite").write_bytes((cache / f"{source}.tflite").read_bytes())
+    copy_models(cache, out, FIXTURES)
     rng = np.random.default_rng(SEED)
     ids = rng.integers(0, VOCAB, (FIXTURE_SAMPLES, SEQ)).astype(np.int32)
     users = rng.integers(0, USERS, (FIXTURE_SAMPLES, 1)).astype(np.int32)
@@ -559,18 +648,29 @@ def main() -> None:
     parser.add_argument("--torch-python", default=sys.executable,
                         help="interpreter with torch, torchvision, litert-torch and transformers, "
                              "for torch and torch_text (default: this one)")
+    parser.add_argument("--only", metavar="STEMS",
+                        help="comma list of the models to make (their file names without "
+                             ".tflite, such as resnet50_int8; default: all)")
     parser.add_argument("--index-only", action="store_true", help="only rewrite INDEX.md")
     parser.add_argument("--sequence-fixtures", type=Path, metavar="DIR",
                         help="fetch nothing: copy the sequence fixtures from the cache into DIR "
                              "(tests/fixtures/sequence) with data to train them")
+    parser.add_argument("--int8-fixtures", type=Path, metavar="DIR",
+                        help="fetch nothing: copy the small int8 models of INT8_FIXTURES from the "
+                             "cache into DIR (tests/fixtures/int8_corpus)")
     parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     cache = args.cache.resolve()
     if args.worker:
-        WORKERS[args.worker](cache / args.worker)
+        only = set(args.only.split(",")) if args.only else None
+        WORKERS[args.worker](cache / args.worker, lambda stem: only is None or stem in only)
         return
     if args.sequence_fixtures:
         write_sequence_fixtures(cache, args.sequence_fixtures)
+        return
+    if args.int8_fixtures:
+        copy_models(cache, args.int8_fixtures, INT8_FIXTURES)
+        print(f"{len(INT8_FIXTURES)} models in {args.int8_fixtures}")
         return
     if not args.index_only:
         for source in args.sources.split(","):
@@ -580,7 +680,8 @@ def main() -> None:
                 fetch_images(cache)
             else:
                 python = args.torch_python if source.startswith("torch") else args.tf_python
-                subprocess.run([python, __file__, "--cache", str(cache), "--worker", source],
+                only = ["--only", args.only] if args.only else []
+                subprocess.run([python, __file__, "--cache", str(cache), "--worker", source, *only],
                                check=True)
     write_index(cache)
 

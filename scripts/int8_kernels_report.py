@@ -15,7 +15,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from test_int8_models import MODELS, output, litert, sample_inputs  # noqa: E402
+from test_int8_models import MODELS, batch_of, litert_output, sample_inputs  # noqa: E402
 from microtrain.format.model import load_model  # noqa: E402
 from microtrain.graph import graph_of  # noqa: E402
 from microtrain.trainer import Trainer  # noqa: E402
@@ -44,10 +44,10 @@ def main() -> None:
           "| microtrain vs reference: max LSB | samples differing |")
     print("|---|---|---|---|---|---|")
     for model in MODELS:
-        x = sample_inputs(model, n)
-        reference = output(litert(model, x, reference=True))
-        default = output(litert(model, x, reference=False))
-        ours = Trainer(model, with_backprop=False, plain=True, batch_size=64).predict([x])[0]
+        xs = sample_inputs(model, n)
+        reference, default = (litert_output(model, xs, reference) for reference in (True, False))
+        batch = batch_of(model, 64)
+        ours = Trainer(model, with_backprop=False, plain=True, batch_size=batch).predict(xs)[0]
         lsb = step(model)
         (dmax, dfrac), (omax, ofrac) = (differences(default, reference, lsb),
                                         differences(ours, reference, lsb))

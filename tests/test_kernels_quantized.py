@@ -211,6 +211,17 @@ def test_requantize():
         check("QUANTIZE", [x], [x.shape], [qx, qy], version=2)
 
 
+def test_uint8_edges():
+    """QUANTIZE from and to uint8 (a model's uint8 input or output), DEQUANTIZE of uint8."""
+    u = np.arange(0, 256, dtype=np.uint8).reshape(16, 16)
+    x = np.arange(-128, 128, dtype=I8).reshape(16, 16)
+    for _ in range(3):
+        qu = q(rng.uniform(0.005, 0.1), int(rng.integers(100, 156)))
+        check("QUANTIZE", [u], [u.shape], [qu, activation_q()], version=2)
+        check("QUANTIZE", [x], [x.shape], [activation_q(), qu], out_dtypes=[np.uint8], version=2)
+        check("DEQUANTIZE", [u], [u.shape], [qu, None], out_dtypes=[np.float32], version=2)
+
+
 def test_pad_uses_the_zero_point():
     x, qx = int8(2, 3, 3, 2), activation_q()
     paddings = np.array([[0, 0], [1, 2], [2, 0], [0, 0]], np.int32)
@@ -242,6 +253,7 @@ def test_dilated_convolution():
                        np.array([1, 2, 2], np.int32)], (2, 2, 3), {}),
     ("RESIZE_NEAREST_NEIGHBOR", [np.array([4, 10], np.int32)], (2, 4, 10), {}),
     ("GATHER", [np.array([3, 0, 3], np.int32)], (2, 4, 3), {"axis": 2}),
+    ("REDUCE_MAX", [np.array([1], np.int32)], (2, 5), {"keep_dims": False}),
 ])
 def test_operators_on_the_stored_integers(op, inputs, shape, options):
     x, qx = int8(2, 4, 5), activation_q()
@@ -249,6 +261,32 @@ def test_operators_on_the_stored_integers(op, inputs, shape, options):
         x, shape = x.reshape(2, 4, 5, 1), shape + (1,)
     check(op, [x, *inputs], [shape], [qx] + [None] * len(inputs) + [qx],
           constant=tuple(range(1, len(inputs) + 1)), **options)
+
+
+@pytest.mark.parametrize("op,inputs,shapes,options", [
+    ("SPLIT", [np.array(2, np.int32), "x"], [(2, 4, 2), (2, 4, 2)], {"num_splits": 2}),
+    ("SPLIT_V", ["x", np.array([1, 3], np.int32), np.array(1, np.int32)], [(2, 1, 4), (2, 3, 4)],
+     {"num_splits": 2}),
+    ("PACK", ["x", "x"], [(2, 2, 4, 4)], {"axis": 1, "values_count": 2}),
+    ("TILE", ["x", np.array([1, 2, 1], np.int32)], [(2, 8, 4)], {}),
+    ("BROADCAST_TO", ["x", np.array([3, 2, 4, 4], np.int32)], [(3, 2, 4, 4)], {"version": 2}),
+    ("REVERSE_V2", ["x", np.array([1], np.int32)], [(2, 4, 4)], {}),
+    ("MIRROR_PAD", ["x", np.array([[0, 0], [1, 2], [2, 0]], np.int32)], [(2, 7, 6)], {"mode": 0}),
+])
+def test_operators_copying_the_stored_integers(op, inputs, shapes, options):
+    """Operators LiteRT's int8 kernels run on the stored values (parameters kept)."""
+    x, qx = int8(2, 4, 4), activation_q()
+    inputs = [x if isinstance(a, str) else a for a in inputs]
+    constant = tuple(i for i, a in enumerate(inputs) if a is not x)
+    check(op, inputs, shapes, [qx if a is x else None for a in inputs] + [qx] * len(shapes),
+          constant=constant, out_dtypes=[I8] * len(shapes), **options)
+
+
+def test_select_takes_the_stored_values():
+    """Whatever their parameters, as LiteRT's SELECT_V2."""
+    qx, condition = activation_q(), rng.random((2, 1, 5)) > 0.5
+    check("SELECT_V2", [condition, int8(2, 4, 5), int8(2, 4, 5)], [(2, 4, 5)],
+          [None, qx, activation_q(), qx])
 
 
 @pytest.mark.parametrize("op", ["MAXIMUM", "MINIMUM"])
@@ -279,6 +317,13 @@ def test_hard_swish(scales):
                                          q(scales[1], int(rng.integers(-20, 20)))])
 
 
+@pytest.mark.parametrize("scales", [(0.01, 0.02), (0.02, 0.05), (0.05, 0.3)])
+def test_exp(scales):
+    x = np.arange(-128, 128, dtype=I8).reshape(16, 16)
+    check("EXP", [x], [x.shape], [q(scales[0], int(rng.integers(-20, 20))), q(scales[1], -128)],
+          version=2)
+
+
 @pytest.mark.parametrize("scale", [0.01, 0.05, 0.3])
 def test_tanh(scale):
     x = np.arange(-128, 128, dtype=I8).reshape(16, 16)
@@ -300,6 +345,22 @@ def test_relus(op):
     x = np.arange(-128, 128, dtype=I8).reshape(16, 16)
     for qx, qy in [(activation_q(), activation_q()) for _ in range(4)] + near_ties():
         check(op, [x], [x.shape], [qx, qy], version=2 if op != "RELU_N1_TO_1" else 1)
+
+
+@pytest.mark.parametrize("alpha_shape", [(1, 1, 3), (3,)])
+def test_prelu(alpha_shape):
+    x = np.arange(-128, 128, dtype=I8)[:252].reshape(2, 42, 3)
+    for _ in range(4):
+        qa = q(rng.uniform(0.001, 0.01), int(rng.integers(-20, 20)))
+        check("PRELU", [x, int8(*alpha_shape)], [x.shape], [activation_q(), qa, activation_q()],
+              constant=(1,))
+
+
+def test_arg_max_and_min_compare_the_stored_values():
+    x = int8(3, 5, 7)
+    for op in ("ARG_MAX", "ARG_MIN"):
+        check(op, [x, np.array([1], np.int32)], [(3, 7)], [activation_q(), None, None],
+              constant=(1,), out_dtypes=[np.int32], version=2, output_type=2)
 
 
 @pytest.mark.parametrize("alpha", [0.2, 0.01, 1.5])
@@ -341,3 +402,67 @@ def test_multipliers_at_near_ties(op):
                 else CONV_OPTIONS
             check(op, [x, one, zero_bias], [x.shape], [qx, q(1.0), q(qx.scale[0]), qy],
                   constant=(1, 2), version=3, **options)
+
+
+# ----------------------------------------------------------------- transformer operators
+
+@pytest.mark.parametrize("adj_x,adj_y", [(False, False), (False, True), (True, False)])
+def test_batch_matmul(adj_x, adj_y):
+    """Attention's products of two activations (enough outputs to tell one rounding from
+    two), the second broadcast over the first's batch."""
+    a = int8(2, 3, 24, 20) if not adj_x else int8(2, 3, 20, 24)
+    b = int8(1, 3, 20, 9) if not adj_y else int8(1, 3, 9, 20)
+    for _ in range(3):
+        check("BATCH_MATMUL", [a, b], [(2, 3, 24, 9)],
+              [activation_q(), activation_q(), q(rng.uniform(0.1, 2), int(rng.integers(-30, 30)))],
+              version=4, adj_x=adj_x, adj_y=adj_y, asymmetric_quantize_inputs=False)
+
+
+@pytest.mark.parametrize("shapes", [((3, 4, 5), (3, 4, 5)), ((3, 4, 5), (3, 4, 1))])
+def test_squared_difference(shapes):
+    a, b = int8(*shapes[0]), int8(*shapes[1])
+    for _ in range(4):
+        check("SQUARED_DIFFERENCE", [a, b], [shapes[0]],
+              [activation_q(), activation_q(), q(rng.uniform(0.05, 2), -128)], version=2)
+
+
+@pytest.mark.parametrize("scales", [(1.6e-5, 0.09), (0.0064, 0.0055), (0.05, 0.3), (2.0, 0.01)])
+def test_rsqrt(scales):
+    """Every int8 input (those below the zero point are refused by LiteRT: not given)."""
+    zx = -128 + int(rng.integers(0, 3))
+    x = np.arange(zx, 128, dtype=I8)
+    check("RSQRT", [x], [x.shape], [q(scales[0], zx), q(scales[1], -128)], version=2)
+
+
+@pytest.mark.parametrize("approximate", [True, False])
+def test_gelu(approximate):
+    x = np.arange(-128, 128, dtype=I8).reshape(16, 16)
+    for scales in [(0.0027, 0.0013), (0.02, 0.01), (0.05, 0.03), (0.1, 0.08)]:
+        check("GELU", [x], [x.shape], [q(scales[0], int(rng.integers(-20, 20))),
+                                       q(scales[1], int(rng.integers(-40, 0)))],
+              version=2, approximate=approximate)
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("padding,stride", [(0, 2), (1, 2), (1, 1)])
+def test_transpose_conv(per_channel, padding, stride):
+    x, qx = int8(2, 4, 5, 3), activation_q()
+    w, qw = weights((6, 3, 3, 3), 0, per_channel)
+    oh, ow = (4 * stride, 5 * stride) if padding == 0 else ((4 - 1) * stride + 3,
+                                                            (5 - 1) * stride + 3)
+    shape = np.array([2, oh, ow, 6], np.int32)
+    for with_bias in (True, False):
+        inputs = [shape, w, x] + ([bias(6)] if with_bias else [])
+        quants = [None, qw, qx] + ([q(qx.scale[0] * qw.scale, 0)] if with_bias else [])
+        check("TRANSPOSE_CONV", inputs, [(2, oh, ow, 6)], quants + [activation_q()],
+              constant=(0, 1, 3), version=3, padding=padding, stride_h=stride, stride_w=stride)
+
+
+@pytest.mark.parametrize("align_corners,half_pixel_centers", [(False, False), (True, False),
+                                                              (False, True)])
+@pytest.mark.parametrize("size", [(8, 10), (3, 2), (5, 7)])
+def test_resize_bilinear(align_corners, half_pixel_centers, size):
+    x, qx = int8(2, 4, 5, 3), activation_q()
+    check("RESIZE_BILINEAR", [x, np.array(size, np.int32)], [(2, *size, 3)], [qx, None, qx],
+          constant=(1,), version=3, align_corners=align_corners,
+          half_pixel_centers=half_pixel_centers)
