@@ -12,13 +12,12 @@ from click.testing import CliRunner
 
 from microtrain.format.wof import read_wof
 from microtrain.format.model import load_model
-from microtrain.kernels.workspace import tile_bytes
 from microtrain.trainer import Trainer
 from test_memory_plan import DATA, data
 from trainconf.budget import Choice, parse_size, smallest
 from trainconf.cli import main
 from trainconf.select import layers, weighted_ops
-from trainconf.split import build, load_prepared, resolve_precision, split
+from trainconf.split import budget_tiles, build, load_prepared, resolve_precision, split
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TYPES = resolve_precision()
@@ -48,7 +47,7 @@ def peak_of(model: str, choice: Choice | None, batch: int, optimizer: str, types
     choice = choice or smallest(g, groups)
     built = build(path, lambda graph: choice.choose(graph, groups), None, "mean", types, batch,
                   scheme=choice.scheme(len(groups)),  # recorded in the frozen model: its bytes
-                  scratch_tile=tile_bytes(batch))  # as a budget's split
+                  tiles=budget_tiles(batch, False)[-1])  # as a budget chooses what trains
     return built.peak(batch, optimizer)["ram"]
 
 
@@ -81,6 +80,19 @@ def test_everything_trains_when_it_fits(tmp_path):
     result = split(FIXTURES / "cnn.tflite", tmp_path, memory_budget=whole.memory["ram"])
     assert result.trainable == whole.trainable
     assert {d["part"] for d in result.memory["budget"]["trains"]} == {"all"}
+
+
+def test_a_budget_takes_the_fastest_kernels_that_fit(tmp_path):
+    """What trains is chosen with the leanest tiles; it trains with the fastest that
+    fit: the kernels' fastest layouts when everything fits them, compact ones
+    only when asked for."""
+    whole = split(FIXTURES / "cnn.tflite", tmp_path / "all").memory["ram"]
+    roomy = split(FIXTURES / "cnn.tflite", tmp_path / "roomy", memory_budget=whole)
+    compact = split(FIXTURES / "cnn.tflite", tmp_path / "compact", memory_budget=whole,
+                    compact_scratch=True)
+    assert roomy.memory["ram"] == whole and roomy.memory["budget"]["scratch_tile"] is None
+    assert compact.memory["budget"]["scratch_tile"] is not None
+    assert compact.memory["ram"] <= whole and compact.memory["budget"]["scheme"] == "all"
 
 
 def test_bias_only(tmp_path):
