@@ -5,7 +5,7 @@ pretrained in Keras on scikit-learn's 8x8 digits of classes 0-4 (each pixel a 4x
 three channels; the split of scripts/lora_table.py), converted with TFLiteConverter (its
 BatchNorms folded into biases), then fine-tuned with microtrain on all ten classes under each
 `--trainable` scheme (Adam, batch 32, lr 5e-3, 4 epochs).  Reported: the trained parameters,
-the planned RAM of a training step (with --compact-scratch, as a budget plans) at batch 1
+the planned RAM of a training step (with --compact-scratch, as a budget chooses what trains) at batch 1
 with SGD (issue 20's setting; the bytes of the files read in place beside it) and at the
 fine-tuning's batch 32 with Adam, and the test accuracy before and after fine-tuning.
 
@@ -58,7 +58,7 @@ def finetune(model: Path, out: Path, scheme: str, data) -> dict:
     from trainconf.inspect import planned_memory
     from trainconf.split import split
     result = split(model, out, scheme, batch_size=BATCH, optimizer="adam", force=True,
-                   compact_scratch=True)  # as --memory-budget plans
+                   compact_scratch=True)  # as --memory-budget chooses what trains
     x, y, x_test, y_test = data
     onehot = np.eye(CLASSES, dtype=np.float32)
     trainer = Trainer(result.frozen, batch_size=BATCH, optimizer="adam",

@@ -95,6 +95,21 @@ def test_a_budget_takes_the_fastest_kernels_that_fit(tmp_path):
     assert compact.memory["ram"] <= whole and compact.memory["budget"]["scheme"] == "all"
 
 
+def test_a_budget_with_a_trainable_set_chooses_only_how(tmp_path):
+    """--trainable with --memory-budget trains that set, with the tiles and the
+    recomputation that fit; a budget it cannot fit is refused in one line."""
+    given = split(FIXTURES / "cnn.tflite", tmp_path / "given", trainable="last:2")
+    leanest = split(FIXTURES / "cnn.tflite", tmp_path / "lean", trainable="last:2",
+                    compact_scratch=True, recompute="auto").memory["ram"]
+    fitted = split(FIXTURES / "cnn.tflite", tmp_path / "fitted", trainable="last:2",
+                   memory_budget=leanest)
+    assert fitted.trainable == given.trainable and fitted.memory["ram"] <= leanest
+    with pytest.raises(Exception, match=r"--memory-budget \d+ bytes: --trainable last:2 needs "
+                                        r"at least \d+ bytes at batch 32 with adam$"):
+        split(FIXTURES / "cnn.tflite", tmp_path / "small", trainable="last:2",
+              memory_budget=leanest // 2)
+
+
 def test_bias_only(tmp_path):
     """The smallest choice trains the last layer's bias; its kernel stays as it was."""
     budget = peak_of("mlp", Choice(0, 1), 32, "adam")
@@ -175,7 +190,8 @@ def test_cli_prints_the_choice_and_its_peak(tmp_path):
     (["--memory-budget", "1KiB"], "--memory-budget 1024 bytes: even the smallest trainable set "
                                   r"\(biases:last:1\) needs \d+ bytes at batch 32 with adam"),
     (["--memory-budget", "64Q"], "--memory-budget '64Q' is not a size"),
-    (["--memory-budget", "1MB", "--trainable", "last:1"], "--memory-budget chooses what trains"),
+    (["--memory-budget", "20KB", "--trainable", "all"],
+     r"--memory-budget 20000 bytes: --trainable all needs at least \d+ bytes at batch 32"),
 ])
 def test_cli_errors(tmp_path, args, message):
     run = invoke("split", FIXTURES / "mlp.tflite", "-o", tmp_path, *args)

@@ -222,10 +222,11 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
     run's --loss-scale); `ignore_index` and
     `from_logits` qualify the loss (LossSpec); with `memory_budget`
     (bytes, or a size such as "64KiB") what trains is chosen so that it fits
-    (trainconf/budget.py) instead of by `trainable`.  With `lora`, low-rank
-    adapters train (trainconf/lora.py), plus what `trainable` names.  `recompute`
-    (auto or none; default: trainconf.recompute.default_mode) lets the backward
-    pass recompute forward activations instead of keeping them
+    (trainconf/budget.py), unless `trainable` (or `freeze_bias`) says it: then the
+    budget chooses only the tiles and recomputation (an error if none fits).  With
+    `lora`, low-rank adapters train (trainconf/lora.py), plus what `trainable`
+    names.  `recompute` (auto or none; default: trainconf.recompute.default_mode)
+    lets the backward pass recompute forward activations instead of keeping them
     (trainconf/recompute.py); under a budget only when training that choice
     does not fit otherwise.  `quant` trains an int8 model, or a float model,
     through fake quantization (trainconf/quantize.py).  With `compact_scratch`
@@ -257,16 +258,13 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
         if lora is not None and memory_budget is not None:
             raise UserError(None, "--memory-budget chooses what trains: leave out --lora")
         budget = None
+        given = (lambda g: (select_trainable(g, setup.trainable, freeze_bias), {}),
+                 setup.trainable if isinstance(setup.trainable, str) else "")
         if lora is not None and trainable is None:
             built = make(lambda g: ([], {}), "")  # the adapters alone
         elif memory_budget is None:
-            built = make(lambda g: (select_trainable(g, setup.trainable, freeze_bias), {}),
-                         setup.trainable if isinstance(setup.trainable, str) else "")
+            built = make(*given)
         else:
-            if trainable is not None or freeze_bias:
-                raise UserError(None, "--memory-budget chooses what trains: leave out "
-                                      "--trainable and --freeze-bias")
-            graph = load_prepared(model_path, types, quant)[1]
             size = parse_size(memory_budget)
 
             def planned(built: Built) -> dict:
@@ -282,9 +280,19 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
                     return built
                 return make(choose, scheme, max(0, memory["arena"] - START_ALIGN - over), tiles)
             ladder = budget_tiles(params.batch_size, compact_scratch)
-            built, budget = fit_budget(lambda c, s: fitting(c, s, ladder[-1]), graph, size,
-                                       params.batch_size, params.optimizer, accum_steps,
-                                       embedding_update, loss_scale)
+            if trainable is None and not freeze_bias:  # the budget chooses what trains
+                built, budget = fit_budget(lambda c, s: fitting(c, s, ladder[-1]),
+                                           load_prepared(model_path, types, quant)[1], size,
+                                           params.batch_size, params.optimizer, accum_steps,
+                                           embedding_update, loss_scale)
+            else:  # what trains is given: the budget chooses how
+                built = fitting(*given, ladder[-1])
+                if planned(built)["ram"] > size:
+                    raise UserError(None, f"--memory-budget {size} bytes: --trainable "
+                                          f"{given[1] or 'as given'} needs at least "
+                                          f"{planned(built)['ram']} bytes at batch "
+                                          f"{params.batch_size} with {params.optimizer}")
+                budget = {"bytes": size, "scheme": given[1], "text": given[1] or "as given"}
             for tiles in ladder[:-1]:  # what trains fits the leanest: the fastest that fits
                 faster = fitting(*made[id(built)], tiles)
                 if planned(faster)["ram"] <= size:
