@@ -287,11 +287,11 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
                                            embedding_update, loss_scale)
             else:  # what trains is given: the budget chooses how
                 built = fitting(*given, ladder[-1])
-                if planned(built)["ram"] > size:
+                if (least := planned(built)["ram"]) > size:
                     raise UserError(None, f"--memory-budget {size} bytes: --trainable "
-                                          f"{given[1] or 'as given'} needs at least "
-                                          f"{planned(built)['ram']} bytes at batch "
-                                          f"{params.batch_size} with {params.optimizer}")
+                                          f"{given[1] or 'as given'} needs at least {least} "
+                                          f"bytes at batch {params.batch_size} with "
+                                          f"{params.optimizer}")
                 budget = {"bytes": size, "scheme": given[1], "text": given[1] or "as given"}
             for tiles in ladder[:-1]:  # what trains fits the leanest: the fastest that fits
                 faster = fitting(*made[id(built)], tiles)
