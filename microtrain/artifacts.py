@@ -12,6 +12,7 @@ from .files import map_regular
 from .format.model import get_metadata, model_from_bytes
 from .format.wof import MAGIC, VERSION, layout, wof_from_bytes
 from .graph import BATCH, Graph, check_dataflow, graph_of, symbolic_batch
+from .loss_registry import default_loss
 
 try:  # CPython's own SHA-256: hashlib would load OpenSSL (~4 MB resident) just for this
     from _sha2 import sha256  # Python 3.12+
@@ -180,7 +181,8 @@ def _plain(path: Path, model, data: bytes) -> Artifacts:
         forward = _forward(model, path, set())
     except UserError as e:  # a constant split would have made plain float32 (sparse, ...)
         raise e.at(path) from None
-    training = TrainingMeta(version=TrainingMeta.VERSION, loss="mse", reduction="mean",
+    training = TrainingMeta(version=TrainingMeta.VERSION, loss=default_loss(forward),
+                            reduction="mean",
                             trainable=[], precision=Precision("fp32", "fp32", "fp32"),
                             batch=BATCH if symbolic_batch(forward) else 1,
                             stable_logits_loss=False)

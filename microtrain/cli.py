@@ -5,11 +5,11 @@ import click
 
 from . import session
 from .cli_common import FORCE_OPTION, WAIT_OPTION, CommandGroup, print_json
-from .federated.settings import (DEFAULTS as FED, RUN_OPTIONS, STRATEGIES, TRANSMIT,
-                                  FederatedSettings)
+from .federated.settings import RUN_OPTIONS, FederatedSettings
 from .files import check_output
 from .lock import locked
-from .run_config import SWEEP_REPLACES, SWEEPABLE, RunConfig, options
+from .run_config import (SWEEP_REPLACES, SWEEPABLE, RunConfig, SweepSettings, option_fields,
+                         options)
 
 JSON_LINES = click.option("--json", "as_json", is_flag=True,
                           help="Print JSON only on stdout: one object per line (JSON Lines), "
@@ -38,7 +38,8 @@ def run(as_json, force, wait, **fields):
     config = RunConfig(**fields)
     with locked([config.frozen, session.check_run_outputs(config, force)], wait):
         summary = session.run(config, on_epoch=_epoch_printer(as_json), force=force,
-                              progress=_progress if sys.stderr.isatty() and not as_json else None)
+                              progress=_progress if sys.stderr.isatty() and not as_json else None,
+                              warn=lambda line: click.echo(f"warning: {line}", err=True))
     if as_json:
         print_json(summary)
     else:
@@ -90,36 +91,13 @@ def _progress(length: int, label: str):
                    "an option of sweep, fixed for every trial); LOW:HIGH is a range sampled "
                    "log-uniformly (--random, --search tpe). "
                    "Sweepable: " + ", ".join(SWEEPABLE) + ".")
-@click.option("--random", "random_trials", type=click.IntRange(1),
-              help="Sample this many combinations (seeded by --seed) instead of the full grid.")
-@click.option("--search", type=click.Choice(["grid", "tpe"]), default="grid", show_default=True,
-              help="grid: every combination (or --random's sample); tpe: Optuna's model-based "
-                   "search of --trials trials, pruning hopeless ones after each epoch "
-                   "(optional extra [search]).")
-@click.option("--trials", type=click.IntRange(1), default=20, show_default=True,
-              help="Trials of --search tpe.")
-@click.option("--halving", is_flag=True,
-              help="Successive halving: every combination trains a few epochs, the better half "
-                   "goes on (from its checkpoint) to twice as many, until the full --epochs.")
-@click.option("--seed", default=0, show_default=True, type=int,
-              help="Seed of the sampling and of every trial's data order (unless seed is swept).")
-@click.option("--jobs", default=1, show_default=True, type=click.IntRange(1),
-              help="Trials run at once, in worker processes, each with its share of the cores "
-                   "for BLAS (optional extra [parallel]).")
-@click.option("--log", type=click.Path(dir_okay=False),
-              help="The sweep's JSON Lines log; a sweep given an existing log resumes it. "
-                   "Default: STEM.sweep.jsonl beside the frozen model.")
-def sweep(grid_texts, random_trials, search, trials, halving, seed, jobs, log, as_json, force,
-          wait, **fields):
+@options(record=SweepSettings)
+def sweep(grid_texts, as_json, force, wait, **fields):
     """Train FROZEN with every combination of --grid (or a sample of them) from the same
     starting weights and data order, rank the trials by the test metric, and write the best
     trial's weights to the .wof if they beat the starting weights."""
-    from .sweep import Settings, Sweep, table
-    if random_trials and search == "tpe":
-        raise click.UsageError("give either --random N or --search tpe")
-    settings = Settings(search="random" if random_trials else search,
-                        trials=random_trials or trials, seed=seed, jobs=jobs, halving=halving,
-                        log=log)
+    from .sweep import Sweep, table
+    settings = SweepSettings(**{f.name: fields.pop(f.name) for f in option_fields(SweepSettings)})
     config = RunConfig(**fields)
     with locked([config.frozen, session.check_run_outputs(config, force)], wait):
         job = Sweep(config, grid_texts, settings)
@@ -181,7 +159,9 @@ def plot(logs, output, width, height, as_json):
 @options(EVAL_OPTIONS)
 @JSON_ONE
 def evaluate(as_json, **fields):
-    """Loss and metric of FROZEN + .wof on a data set."""
+    """Loss and metric of FROZEN + .wof on a data set.  FROZEN may also be a .tflite or
+    .circle model no split wrote (as infer runs it): its outputs, dequantized when
+    integer, are judged by cce after a final SOFTMAX (one-hot targets), else mse."""
     result = session.evaluate(RunConfig(**fields))
     if as_json:
         print_json(result)
@@ -210,60 +190,21 @@ def infer(as_json, output, force, **fields):
 @main.command()
 @options(RUN_OPTIONS)
 @JSON_LINES
-@click.option("--clients", default=FED["clients"], show_default=True, type=click.IntRange(1),
-              help="Simulated devices; the training data is split across them.")
-@click.option("--rounds", default=FED["rounds"], show_default=True, type=click.IntRange(1),
-              help="Federated rounds.")
-@click.option("--partition", default=FED["partition"], show_default=True,
-              help="How the data is split: iid (equal random shares) or dirichlet:ALPHA (class "
-                   "shares per device drawn from Dirichlet(ALPHA); smaller is more skewed).")
-@click.option("--fraction", default=FED["fraction"], show_default=True,
-              type=click.FloatRange(0, 1, min_open=True),
-              help="Fraction of the devices that train in each round.")
-@click.option("--min-clients", default=FED["min_clients"], show_default=True,
-              type=click.IntRange(1),
-              help="Devices a round needs at least (Flower's min_train_nodes and "
-                   "min_available_nodes).")
-@click.option("--evaluate-fraction", default=FED["evaluate_fraction"], show_default=True,
-              type=click.FloatRange(0, 1),
-              help="Fraction of the devices that also evaluate the global weights on their own "
-                   "data each round (device_loss, device_<metric>); the server always evaluates "
-                   "them on the held-out set.")
-@click.option("--local-epochs", default=FED["local_epochs"], show_default=True,
-              type=click.IntRange(1), help="Epochs each device trains per round.")
-@click.option("--strategy", type=click.Choice(STRATEGIES), default=FED["strategy"],
-              show_default=True, help="Flower's aggregation strategy.")
-@click.option("--proximal-mu", default=FED["proximal_mu"], show_default=True, type=float,
-              help="fedprox: weight of the proximal term mu/2 ||w - w_global||^2.")
-@click.option("--server-learning-rate", default=FED["server_learning_rate"],
-              show_default=True, type=float, help="fedadam: the server's step size (eta).")
-@click.option("--transmit", type=click.Choice(TRANSMIT), default=FED["transmit"],
-              show_default=True,
-              help="Type of the weights on the wire, both ways (fp16 halves the bytes; the "
-                   "server aggregates and devices train in fp32).")
-@click.option("--keep-optimizer-state/--reset-optimizer-state",
-              default=FED["keep_optimizer_state"], show_default=True,
-              help="Whether a device keeps its optimizer state between rounds.")
-@click.option("--client-threads", default=FED["client_threads"], show_default=True,
-              type=click.IntRange(1), help="BLAS threads of each device's process.")
+@options(record=FederatedSettings)
 @click.option("--workers", type=click.IntRange(1),
               help="Worker processes training devices side by side. Default: the cores.")
-@click.option("--seed", default=FED["seed"], show_default=True, type=int,
-              help="Seed of the partition and of every device's shuffling.")
-@click.option("--round-timeout", default=FED["round_timeout"], show_default=True, type=float,
-              help="Seconds the server waits for the devices' replies in a round.")
 @click.option("--write-app", type=click.Path(file_okay=False),
               help="Instead of simulating, write a Flower app (pyproject.toml) with these "
                    "settings to this folder, for `flwr run FOLDER SUPERLINK`.")
 @FORCE_OPTION
 @WAIT_OPTION
-def federated(as_json, force, wait, workers, write_app, **options):
+def federated(as_json, force, wait, workers, write_app, **fields):
     """Federated fine-tuning of FROZEN's trainable weights with Flower: the training
     data is split across --clients simulated devices that train locally each round;
     the server aggregates their weights, evaluates them on the held-out set and writes
     the best to the .wof if they beat the starting weights. Needs the [federated] extra."""
-    run = RunConfig(**{name: options.pop(name) for name in RUN_OPTIONS})
-    settings = FederatedSettings(run, **options)
+    run = RunConfig(**{name: fields.pop(name) for name in RUN_OPTIONS})
+    settings = FederatedSettings(run, **fields)
     target = None if write_app else session.check_run_outputs(run, force)
     try:
         if write_app:

@@ -23,6 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origi
 from types import UnionType
 
 from .errors import ContractError
+from .lazy import EMBEDDING_UPDATES
 from .loss_registry import LOSS_NAMES
 from .optimizers import DEFAULTS, OPTIMIZERS
 from .precision import TYPES
@@ -60,6 +61,7 @@ Loss = Literal[LOSS_NAMES]
 Reduction = Literal["mean", "sum"]
 Dtype = Literal[TYPES]
 Optimizer = Literal[tuple(OPTIMIZERS)]
+LossScaleKind = Literal["none", "static", "dynamic", "adaptive"]  # microtrain/loss_scale.py's
 JSONValue = Any  # any JSON value, for maps whose keys the reader checks itself
 
 REDUCTIONS = get_args(Reduction)
@@ -299,6 +301,17 @@ class TrainingParameters(Record):
 
 
 @dataclass
+class PlannedRun(Record):
+    """What `trainconf split`'s memory plan assumed of the `microtrain run` options
+    that change the memory a run holds but not the files; a run given others
+    says so."""
+    NAME = "planned_for"
+    loss_scale: LossScaleKind = doc("the kind of `--loss-scale` (static: a number)")
+    accum_steps: Annotated[int, Range(1, MAX_COUNT)] = doc("`--accum-steps`")
+    embedding_update: Literal[tuple(EMBEDDING_UPDATES)] = doc("`--embedding-update`")
+
+
+@dataclass
 class TrainingMeta(Record):
     """The training setup, in the frozen model's `microtrain.training` metadata."""
     NAME = "microtrain.training"
@@ -335,6 +348,9 @@ class TrainingMeta(Record):
     parameters: TrainingParameters = doc(
         "the training parameters `trainconf split` recorded (from its options, else the "
         "input's circle+ CIRCLE_TRAINING, else the defaults)", default_factory=TrainingParameters)
+    planned_for: PlannedRun | None = doc(
+        "what the memory plan assumed of `microtrain run`'s options beyond the training "
+        "parameters (null: not recorded, by files written before it was)", default=None)
 
     def check(self) -> None:
         if not self.trainable:
@@ -450,7 +466,7 @@ class ShufflerState(Record):
 class LossScaleState(Record):
     """The loss-scale state of mixed-precision training (microtrain/loss_scale.py)."""
     NAME = "loss_scale"
-    kind: Literal["none", "static", "dynamic", "adaptive"] = doc("the `--loss-scale` kind")
+    kind: LossScaleKind = doc("the `--loss-scale` kind")
     seed: Annotated[float, Range(0, 3.5e38)] = doc("the scale of the loss gradient")
     skipped: Count = doc("updates skipped for inf/NaN gradients")
     good_steps: Count | None = doc("dynamic, adaptive: finite steps in a row", default=None)
@@ -605,6 +621,6 @@ class CheckpointMeta(Record):
 
 
 # Every record stored in a file, in the order schemas/contracts.md lists them.
-RECORDS = [TrainingMeta, Precision, TrainingParameters, Adapters, Adapter, Quantization,
+RECORDS = [TrainingMeta, Precision, TrainingParameters, PlannedRun, Adapters, Adapter, Quantization,
            TensorRange, WeightScales, GraphLinks, MemoryPlan, CheckpointMeta, OptimizerState,
            ShufflerState, LossScaleState, RunState]

@@ -18,16 +18,17 @@ import numpy as np
 from .arena import Arena, linear, memory_limit
 from .artifacts import Artifacts
 from .errors import OperatorError, UserError
-from .graph import BATCH, Graph, batched, concrete_shape
-from .kernels import KERNELS, ROWS, in_sequence, prepare, version_problem
+from .graph import Graph, batched, concrete_shape
+from .kernels import KERNELS, prepare, version_problem
 from .kernels.quantized import integer_problem
 from .kernels.workspace import Workspace, begin_kernel, scratch, sharing
 from .lazy import RowGrad
 from .loss_registry import LOSS_OPS
 from .loss_scale import LossScale
-from .precision import (F32, Underflow, dtype_of, narrow, narrow_work,
-                        reduced, round_in_place, storage, widen)
+from .precision import F32, Rounding, Underflow, dtype_of, in_float32, narrow, reduced, storage
 from .quantization import op_quantization
+from .row_tiles import tile_rows, tiled
+from .update_order import UpdateOrder
 from .weight_map import layout, map_buffer, weight_map
 
 
@@ -318,245 +319,84 @@ def _views(g: Graph, arrays: list, rows: int) -> list:
     return [a[:-t.shape[0] * rows] if batched(t.shape) else a for t, a in zip(g.tensors, arrays)]
 
 
-class Hooks:
-    """What runs around each kernel: widening its reduced-precision inputs into
-    float32 scratch, loss scaling in the backprop graph, then storing every
-    tensor declared fp16 rounded (counting gradient underflow); and, given
-    `update`, a call update(weight, loss array) right after the backprop
-    operator the plan's `updates` name for its gradient (operator reordering),
-    or update(weight, loss array, (lo, hi)) after each tile of rows of a
-    gradient the plan fuses with its update."""
-
-    def __init__(self, art: Artifacts, scaler: LossScale, underflow: Underflow,
-                 memory: Memory | None = None, update=None):
-        self.backprop, self.scaler, self.underflow = art.backprop, scaler, underflow
-        # a lazy table's gradient tensor -> the RowGrad its GatherGrad writes instead
-        self.row_grads = {table.grad: memory.row_grads[t]
-                          for t, table in memory.lazy.items()} if memory else {}
-        self.paths = {"forward": art.frozen_path, "backprop": art.backprop_path}
-        # backprop tensor of each weight gradient -> the forward (weight) tensor
-        self.weight_grads = dict(art.links.gradients) if art.links else {}
-        self.loss = art.links.loss if art.links else None
-        self.update = update
-        # gradient -> rows per tile of those computed and applied a tile at a time
-        self.fused = dict(art.links.memory.fused) if art.links and art.links.memory else {}
-        unknown = self.fused.keys() - self.weight_grads.keys()
-        if unknown:
-            raise UserError(art.backprop_path, f"memory plan: fused tensor {min(unknown)} is no "
-                                               "weight gradient")
-        self.updates: dict[int, list] = {}  # backprop operator -> the weights updated after it
-        for g, i in art.links.memory.updates if update else ():
-            if g not in self.weight_grads or not 0 <= i < len(art.backprop.ops):
-                raise UserError(art.backprop_path, f"memory plan: the update of gradient {g} "
-                                                   f"after operator {i} names no weight gradient "
-                                                   "or operator")
-            self.updates.setdefault(i, []).append(self.weight_grads[g])
-        # recomputed forward activations are not gradients: their rounding counts no underflow
-        self.recomputed = set(art.links.recomputed or ()) if art.links else set()
-
-    def _counting(self, backprop: bool, t: int) -> tuple:
-        """rounder() arguments that count gradient underflow (see Underflow)."""
-        if not backprop or t in self.recomputed:
-            return ()
-        return self.underflow, self.weight_grads.get(t, -1 - t)
-
-    def closures(self, g: Graph, arrays: list, ops, scaling: bool = True) -> tuple[list, list]:
-        """The closures of `ops` over `arrays` and the owner (file, op) of each, to
-        name them in errors; `scaling`: training (with the loss scale's hooks
-        and the updates), else the kernels alone (evaluation)."""
-        steps, owners = [], []
-        path = self.paths["backprop" if g is self.backprop else "forward"]
-        training = scaling and g is self.backprop
-        updates = self.updates if training else {}
-        for op in ops:
-            fused = training and op.outputs[0] in self.fused and not self.scaler.hooks(op)
-            mine = _guarded((path, op), lambda: self._fused(g, op, arrays) if fused
-                            else self._op(g, op, arrays, training))
-            tiled = self.weight_grads.get(op.outputs[0]) if fused else None  # updated by tiles
-            mine += [partial(self.update, w, arrays[self.loss]) for w in updates.get(op.index, ())
-                     if w != tiled]
-            steps += mine
-            owners += [(path, op)] * len(mine)
-        return steps, owners
-
-    def _fused(self, g: Graph, op, arrays: list) -> list:
-        """Weight gradient op.outputs[0] (the plan's `fused`) computed a tile of
-        its rows (output channels: the last axis of its first input) at a time
-        into its array, the whole gradient or, updating as gradients complete,
-        a tile that each tile's update reads right away.  The unfused run
-        computes the same tiles, so that the sums (and the weights) are
-        bit-identical whichever way the BLAS blocks a product."""
-        (dy, *rest), (out,) = [arrays[i] if i >= 0 else None for i in op.inputs], \
-            [arrays[i] for i in op.outputs]
-        n, rows = dy.shape[-1], self.fused[op.outputs[0]]
-        if g.tensors[op.outputs[0]].shape[0] != n or \
-                any(a is not None and a.dtype != F32 for a in (dy, *rest, out)):
-            raise UserError(None, f"memory plan: fused gradient {op.outputs[0]} is not float32 "
-                                  "with a row per channel of its operator's first input")
-        whole = self.update is None
-        steps = []
-        for lo in range(0, n, rows):
-            hi = min(lo + rows, n)
-            begin_kernel()  # the tiles run one after another: they share one scratch layout
-            tile = out[lo:hi] if whole else out[:hi - lo]
-            steps.append(prepare(op.type, [dy[..., lo:hi], *rest], [tile], **op.options))
-            if not whole:
-                steps.append(partial(self.update, self.weight_grads[op.outputs[0]],
-                                     arrays[self.loss], (lo, hi)))
-        return [in_sequence(steps)]
-
-    def _op(self, g: Graph, op, arrays: list, backprop: bool) -> list:
-        begin_kernel()  # the float32 copies below and the kernel's scratch share one layout
-        inputs = [arrays[i] if i >= 0 else None for i in op.inputs]
-        outputs = [arrays[i] for i in op.outputs]
-        if g is self.backprop and op.outputs[0] in self.row_grads:  # fp32 only (lazy.py)
-            rows = self.row_grads[op.outputs[0]]
-            return [prepare("GatherRowsGrad", inputs, [rows.ids, rows.values, rows.counter],
-                            rows=g.tensors[op.outputs[0]].shape[0], **op.options)]
-        rows = None if backprop and self.scaler.hooks(op) else _tile_rows(g, op, inputs, outputs)
-        if rows:
-            return [self._tiled(g, op, inputs, outputs, rows, backprop)]
-        wide_in = [_wide(a) for a in inputs]
-        wide_out = [_wide(a) for a in outputs]
-        loads = [widen(a, w) for a, w in zip(inputs, wide_in) if w is not a]
-        steps = [self.scaler.kernel(op, wide_in, wide_out) if backprop
-                 else prepare(op.type, wide_in, wide_out, op_quantization(g, op), **op.options)]
-        if backprop:
-            steps += self.scaler.after(op, wide_in, wide_out)
-        for t, a, w in zip(op.outputs, outputs, wide_out):
-            counting = self._counting(backprop, t)
-            if w is not a:
-                steps.append(narrow(w, a, *counting))
-            elif reduced(g.tensors[t].dtype):
-                # fp16/bf16 values in a float32 buffer
-                steps.append(round_in_place(a, *_fill(counting), g.tensors[t].dtype))
-        if not loads and len(steps) == 1:
-            return steps
-        return [in_sequence(loads + steps)]  # one closure: its scratch holds the float32 copies
+@dataclass
+class Wrappers:
+    """What runs around the kernels of a training step, besides computing in
+    float32 over reduced-precision tensors: the loss scale's hooks, the count
+    of gradients lost to fp16 underflow, and the plan's update order."""
+    scaler: LossScale
+    underflow: Underflow
+    order: UpdateOrder
 
 
-    def _tiled(self, g: Graph, op, inputs: list, outputs: list, rows: int, backprop: bool):
-        """One closure running `op` on its batch `rows` rows at a time, so that the
-        float32 copies of its reduced-precision tensors (and the kernel's own
-        scratch) are those of `rows` rows: the batch-shaped inputs are widened
-        (or copied) a tile at a time, and row-wise outputs stored a tile at a
-        time, while a sum over the rows (a weight gradient) adds the tiles' sums
-        and is stored once."""
-        batch = [t >= 0 and g.tensors[t].shape[:1] == (BATCH,) for t in op.inputs]  # -1: absent
-        n = next(a.shape[0] for a, b in zip(inputs, batch) if b)
-        tile = lambda a: scratch((rows,) + a.shape[1:], F32)  # noqa: E731
-        wide_in = [tile(a) if b else _wide(a) for a, b in zip(inputs, batch)]
-        whole_loads = [widen(a, w) for a, w, b in zip(inputs, wide_in, batch) if not b and w is not a]
-        sums = ROWS[op.type] == "sum"
-        if sums:
-            ((t, out),) = zip(op.outputs, outputs)
-            total, part = _wide(out), scratch(out.shape, F32)
-            wide_out = [part]
-        else:
-            wide_out = [tile(a) for a in outputs]
-        work = narrow_work((rows,) + outputs[0].shape[1:]) if not sums else None
-        spans = [(i, min(i + rows, n)) for i in range(0, n, rows)]
-        kernels = {}
-        for lo, hi in spans:  # one kernel per tile height: whole tiles and the last one
-            if hi - lo not in kernels:
-                cut = lambda a, k=hi - lo: a if sums and a is part else a[:k]  # noqa: E731
-                kernels[hi - lo] = prepare(op.type, [cut(w) if b else w for w, b in
-                                                     zip(wide_in, batch)],
-                                           [cut(w) for w in wide_out], **op.options)
-        tiles = []
-        head = lambda w, k: w if len(w) == k else w[:k]  # noqa: E731  (no view per whole tile)
-        for lo, hi in spans:
-            k = hi - lo
-            steps = [_loader(a[lo:hi], head(w, k)) for a, w, b in zip(inputs, wide_in, batch) if b]
-            steps.append(kernels[k])
-            if sums:
-                steps.append(_adder(part, total, first=lo == 0))
-            else:
-                steps += [_storer(g, t, head(w, k), a[lo:hi], self._counting(backprop, t), work)
-                          for t, a, w in zip(op.outputs, outputs, wide_out)]
-            tiles += steps
-        if sums:
-            tiles.append(_storer(g, t, total, out, self._counting(backprop, t), None))
-        return in_sequence(whole_loads + tiles)
+def _closures(art: Artifacts, mem: Memory, wrappers: Wrappers, g: Graph, arrays: list, ops,
+              training: bool) -> tuple[list, list]:
+    """The closures of `ops` over `arrays` and the owner (file, op) of each, to
+    name them in errors; `training`: backprop with the loss scale's hooks and
+    the updates, else the kernels alone (the forward pass, evaluation)."""
+    backprop = g is art.backprop
+    path = art.backprop_path if backprop else art.frozen_path
+    # a lazy table's gradient tensor -> the RowGrad its GatherGrad writes instead
+    row_grads = {table.grad: mem.row_grads[t] for t, table in mem.lazy.items()} if backprop else {}
+    rounding = _rounding(art, g, wrappers.underflow if training else None)
+    scaler, order = wrappers.scaler if training else None, wrappers.order
+    steps, owners = [], []
+    for op in ops:
+        fused = training and order.fuses(op) and not scaler.hooks(op)
+        mine = _guarded((path, op), lambda: order.fused_steps(g, op, arrays) if fused
+                        else _wrapped(g, op, arrays, row_grads, rounding, scaler))
+        if training:
+            mine += order.after(op, arrays, fused)
+        steps += mine
+        owners += [(path, op)] * len(mine)
+    return steps, owners
 
 
-def _tile_rows(g: Graph, op, inputs: list, outputs: list) -> int | None:
-    """Rows per tile for running `op` a few batch rows at a time (see Hooks._tiled),
-    or None to run it whole: when it holds no reduced-precision tensor, does not
-    treat rows separately, or its batch tensors are small."""
-    if op.type not in ROWS or not any(
-            a is not None and reduced(a.dtype) for a in inputs + outputs):
-        return None
-    ts = [g.tensors[t] for t in op.inputs if t >= 0] + [g.tensors[t] for t in op.outputs]
-    if any(batched(t.shape) and t.shape[0] != BATCH for t in ts):
-        return None  # several rows a sample (a sequence's): not cut into samples
-    arrays = [a for a in inputs if a is not None] + outputs
-    tensors = [(t, a) for t, a in zip(ts, arrays) if t.shape[:1] == (BATCH,)]
-    if ROWS[op.type] == "sum" and (len(outputs) != 1 or g.tensors[op.outputs[0]].shape[:1] == (BATCH,)):
-        return None
-    if not tensors or len({a.shape[0] for _, a in tensors}) > 1:
-        return None
-    n = tensors[0][1].shape[0]
-    per_row = max(a[0].size for _, a in tensors)
-    rows = max(1, TILE // per_row)
-    if ROWS[op.type] == "sum":  # tiles need a float32 partial sum the size of the output
-        whole = sum(a.size for _, a in tensors)
-        if rows * whole // n + outputs[0].size >= whole:
-            return None
-    return rows if rows < n else None
+def _wrapped(g: Graph, op, arrays: list, row_grads: dict, rounding, scaler: LossScale | None):
+    """The closures of one operator: its kernel (with the loss scale's hooks,
+    given a `scaler`) computing in float32 over its reduced-precision tensors,
+    a tile of batch rows at a time where that bounds their float32 copies."""
+    begin_kernel()  # the float32 copies and the kernel's scratch share one layout
+    inputs = [arrays[i] if i >= 0 else None for i in op.inputs]
+    outputs = [arrays[i] for i in op.outputs]
+    if (rows := row_grads.get(op.outputs[0])) is not None:  # fp32 only (lazy.py)
+        return [rows.kernel(op, inputs, g.tensors[op.outputs[0]].shape[0])]
+    roundings = [rounding(t) for t in op.outputs]
+    tile = None if scaler is not None and scaler.hooks(op) else tile_rows(g, op, inputs, outputs)
+    if tile:
+        return [tiled(g, op, inputs, outputs, tile, roundings)]
+
+    def kernel(wide_in: list, wide_out: list) -> list:
+        if scaler is not None:
+            return scaler.closures(op, wide_in, wide_out)
+        return [prepare(op.type, wide_in, wide_out, op_quantization(g, op), **op.options)]
+    return in_float32(kernel, inputs, outputs, roundings)
 
 
-TILE = 1 << 14  # elements of a batch tensor's float32 copy in one tile
+def _rounding(art: Artifacts, g: Graph, underflow: Underflow | None):
+    """Tensor -> the Rounding of its results: counting underflow in `underflow`
+    (training's gradients) under a weight gradient's weight, else -1 - tensor;
+    recomputed forward activations are not gradients and count none."""
+    weight_grads = dict(art.links.gradients) if art.links else {}
+    recomputed = set(art.links.recomputed or ()) if art.links else set()
+
+    def rounding(t: int) -> Rounding:
+        declared = g.tensors[t].dtype
+        if underflow is None or t in recomputed:
+            return Rounding(declared)
+        return Rounding(declared, underflow, weight_grads.get(t, -1 - t))
+    return rounding
 
 
-def _loader(src: np.ndarray, dst: np.ndarray):
-    """Widen or copy one tile of a batch-shaped input into float32 scratch."""
-    return widen(src, dst) if reduced(src.dtype) else (lambda: np.copyto(dst, src))
-
-
-def _storer(g: Graph, t: int, src: np.ndarray, dst: np.ndarray, counting: tuple, work):
-    """Store float32 results into the output array of tensor t: narrowed, rounded
-    in place (fp16 declared, float32 array) or copied."""
-    if reduced(dst.dtype):
-        return narrow(src, dst, *counting, work=work)
-    declared = g.tensors[t].dtype
-    rounding = round_in_place(src, *_fill(counting), declared) if reduced(declared) else _nothing
-    if src is dst:
-        return rounding
-
-    def step():
-        rounding()
-        np.copyto(dst, src)
-    return step
-
-
-def _fill(counting: tuple) -> tuple:
-    """round_in_place()'s underflow and tensor arguments from _counting()'s."""
-    return counting or (None, -1)
-
-
-def _adder(part: np.ndarray, total: np.ndarray, first: bool):
-    return (lambda: np.copyto(total, part)) if first else (lambda: np.add(total, part, out=total))
-
-
-def _nothing():
-    pass
-
-
-def _wide(a: np.ndarray | None) -> np.ndarray | None:
-    """`a` itself, or float32 scratch of its shape when it holds reduced precision."""
-    return scratch(a.shape, F32) if a is not None and reduced(a.dtype) else a
-
-
-def compile_plan(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
+def compile_plan(art: Artifacts, mem: Memory, rows: int, wrappers: Wrappers) -> Plan:
     """The step for the first `rows` rows.  The first plan of a memory finds its
     workspace too small: the kernels then measure what they need, the workspace
     grows to it, and the plan is built again over the grown workspace."""
     with sharing(mem.workspace):
-        plan = _compile(art, mem, rows, hooks)
+        plan = _compile(art, mem, rows, wrappers)
         if mem.workspace is not None and mem.workspace.grow():
             del plan  # freed before its successor is built: its objects' memory is reused
-            plan = _compile(art, mem, rows, hooks)
+            plan = _compile(art, mem, rows, wrappers)
     return plan
 
 
@@ -575,7 +415,7 @@ def _weight_chunk(params: np.ndarray, working: np.ndarray):
     return step
 
 
-def _compile(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
+def _compile(art: Artifacts, mem: Memory, rows: int, wrappers: Wrappers) -> Plan:
     if mem.half_weights:  # between steps, so it may share the kernels' workspace
         mem.round_working = [_weight_chunk(mem.params[i:i + WEIGHT_CHUNK],
                                            mem.working[i:i + WEIGHT_CHUNK])
@@ -583,7 +423,8 @@ def _compile(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
     fwd = _views(art.forward, mem.forward, rows)
     inputs = [fwd[i] for i in art.forward.inputs]
     read, transposes = _transposed_weights(art.forward, fwd)
-    steps, owners = hooks.closures(art.forward, read, art.forward.ops)
+    closures = partial(_closures, art, mem, wrappers)
+    steps, owners = closures(art.forward, read, art.forward.ops, training=False)
     steps, owners = transposes + steps, [(art.frozen_path, None)] * len(transposes) + owners
     plan = Plan(inputs, [fwd[i] for i in art.forward.outputs], [], None, steps, [], [])
     plan.owners = {"forward": owners, "backward": [], "loss_ops": []}
@@ -591,12 +432,13 @@ def _compile(art: Artifacts, mem: Memory, rows: int, hooks: Hooks) -> Plan:
         bp = _views(art.backprop, mem.backprop, rows)
         plan.targets = [bp[i] for i in art.links.targets]
         plan.loss = bp[art.links.loss]
-        plan.backward, plan.owners["backward"] = hooks.closures(art.backprop, bp, art.backprop.ops)
+        plan.backward, plan.owners["backward"] = closures(art.backprop, bp, art.backprop.ops,
+                                                          training=True)
         # evaluation runs the loss operators alone (and their sum, with several outputs)
         loss_ops = [op for op in art.backprop.ops if op.type in LOSS_OPS
                     or art.links.loss in op.outputs]
-        plan.loss_ops, plan.owners["loss_ops"] = hooks.closures(art.backprop, bp, loss_ops,
-                                                                scaling=False)
+        plan.loss_ops, plan.owners["loss_ops"] = closures(art.backprop, bp, loss_ops,
+                                                          training=False)
     return plan
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from .errors import UserError
 from .graph import concrete_shape
+from .kernels import prepare
 
 EMBEDDING_UPDATES = {
     "dense": "every row every step, as Keras (an untouched row's zero gradient still decays "
@@ -100,6 +101,12 @@ class RowGrad:
     def touched(self) -> tuple[np.ndarray, np.ndarray]:
         k = self.count
         return self.ids[:k], self.values[:k]
+
+    def kernel(self, op, inputs: list, rows: int):
+        """The closure of the table's GatherGrad `op` (float32 only), writing the
+        touched rows here instead of a whole `rows`-row gradient."""
+        return prepare("GatherRowsGrad", inputs, [self.ids, self.values, self.counter],
+                       rows=rows, **op.options)
 
 
 class RowSum(RowGrad):

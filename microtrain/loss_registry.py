@@ -29,6 +29,18 @@ PER_CLASS = tuple(name for name, kind in LOSS_KINDS.items() if kind.per_class)
 LOSS_OPS = ("Loss", "LogitsLoss")
 
 
+def default_loss(g) -> str:
+    """The loss a graph trains (`trainconf split`) or is judged (`microtrain eval` of a
+    model no split wrote) by when none is named, from the operator that writes its
+    first output, seen through a final DEQUANTIZE (a full-integer model with float
+    outputs): cce after a SOFTMAX (probabilities), else mse."""
+    producers = g.producers()
+    last = producers.get(g.outputs[0])
+    if last is not None and last.type == "DEQUANTIZE":
+        last = producers.get(last.inputs[0])
+    return "cce" if last is not None and last.type == "SOFTMAX" else "mse"
+
+
 def circle_plus_enum(kind: LossKind) -> str:
     """circle+'s LossFn member for the loss: MeanSquaredError -> MEAN_SQUARED_ERROR."""
     return re.sub(r"(?<!^)(?=[A-Z])", "_", kind.circle_plus).upper()

@@ -65,6 +65,10 @@ class LossScale:
             return [_scale_by(outputs[1], self)]
         return []
 
+    def closures(self, op: Op, inputs, outputs) -> list:
+        """The closures of `op` of the backprop graph: its kernel and what follows it."""
+        return [self.kernel(op, inputs, outputs), *self.after(op, inputs, outputs)]
+
     def unscale(self, grads: np.ndarray) -> None:
         if self.kind != "none":
             grads *= np.float32(1.0 / self.scale)

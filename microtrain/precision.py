@@ -1,7 +1,7 @@
 """Reduced-precision storage over float32 arithmetic.
 
 A tensor declared float16 is stored as a float16 array (2 bytes an element).
-Kernels compute in float32: the executor widens a kernel's float16 inputs into
+Kernels compute in float32: in_float32 widens a kernel's float16 inputs into
 float32 scratch, runs the kernel into float32 scratch and narrows the results
 into their float16 arrays, rounding to nearest even (underflow to 0, overflow
 to inf, as on hardware that accumulates in fp32 and stores in fp16).  A float16
@@ -14,6 +14,7 @@ float32 arithmetic and integer bit operations instead, about a dozen passes of
 ~0.05 ns an element each, and exactly the cast's results.
 """
 import functools
+from dataclasses import dataclass
 from math import prod
 
 import numpy as np
@@ -382,3 +383,49 @@ def widen(src: np.ndarray, dst: np.ndarray):
         if not (dst.max() < HALF_INF_VALUE and dst.min() > -HALF_INF_VALUE):
             np.copyto(dst, src)  # inf/NaN: float16's exponent 31 came out as 2^16 and up
     return step
+
+
+# -- a kernel over reduced-precision tensors ------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rounding:
+    """How float32 results are stored into a tensor declared `declared`; with
+    `underflow`, the values lost to zero count there under `tensor` (see Underflow)."""
+    declared: np.dtype
+    underflow: Underflow | None = None
+    tensor: int = -1
+
+
+def wide(a: np.ndarray | None) -> np.ndarray | None:
+    """`a` itself, or float32 scratch of its shape when it holds reduced precision."""
+    return scratch(a.shape, F32) if a is not None and reduced(a.dtype) else a
+
+
+def store(src: np.ndarray, dst: np.ndarray, rounding: Rounding, work=None):
+    """A closure storing float32 results `src` into `dst`: narrowed, rounded in
+    place (reduced precision declared, float32 array) or copied; None when `src`
+    is `dst` and nothing needs rounding.  `work`: as narrow()'s."""
+    r = rounding
+    if reduced(dst.dtype):
+        return narrow(src, dst, r.underflow, r.tensor, work=work)
+    rounds = round_in_place(src, r.underflow, r.tensor, r.declared) if reduced(r.declared) else None
+    if src is dst:
+        return rounds
+    copy = functools.partial(np.copyto, dst, src)
+    return copy if rounds is None else in_sequence([rounds, copy])
+
+
+def in_float32(run, inputs: list, outputs: list, roundings: list) -> list:
+    """The closures of a kernel over `inputs` and `outputs` that computes in
+    float32: its reduced-precision inputs widened into float32 scratch first,
+    its results stored as each output's Rounding says.  `run(wide inputs, wide
+    outputs)` builds the kernel's own closures (within this scratch layout)."""
+    wide_in, wide_out = [wide(a) for a in inputs], [wide(a) for a in outputs]
+    loads = [widen(a, w) for a, w in zip(inputs, wide_in) if w is not a]
+    steps = run(wide_in, wide_out)
+    for a, w, r in zip(outputs, wide_out, roundings):
+        if w is not a or reduced(r.declared):
+            steps.append(store(w, a, r))
+    if not loads and len(steps) == 1:
+        return steps
+    return [in_sequence(loads + steps)]  # one closure: its scratch holds the float32 copies

@@ -10,6 +10,11 @@ takes them from the model then.
 
 Help texts may hold `{purpose}` (where the option applies, for `trainconf`'s
 memory estimates) and `{recorded}` (the record the training parameters come from).
+
+The same fields (`option`) and functions (`options`, `check_options`,
+`command_line`, `parse`) serve the records of the commands' own options:
+`federated`'s FederatedSettings and `sweep`'s SweepSettings (here, as sweep.py is an
+optional extra that the command line does not import).
 """
 import os
 import re
@@ -24,11 +29,18 @@ from .loss_scale import ADAPTIVE_DEFAULTS, DEFAULT_LOSS_SCALE, DYNAMIC_DEFAULTS
 from .metrics import METRICS
 from .optimizers import DEFAULTS as OPTIMIZER_DEFAULTS, OPTIMIZERS
 from .schedules import DEFAULTS as SCHEDULE_DEFAULTS, SCHEDULES
-from .trainer import DEFAULT_DIVERGENCE_SNAPSHOT, DIVERGENCE_SNAPSHOTS
 
 RECORDED = "the frozen model's training parameters (recorded by trainconf split)"
 HYPERPARAMETER, SCHEDULE, LOSS_SCALE = "hyperparameter", "schedule", "loss scale"
 FILE = click.Path(dir_okay=False, path_type=str)
+
+# Where a diverged run's weights are restored from (--divergence-snapshot)
+DIVERGENCE_SNAPSHOTS = {
+    "file": "those of the .wof last saved (or the one the run read), from disk: no copy of "
+            "the weights in RAM",
+    "ram": "those of the epoch's start, from a copy kept in RAM (4 bytes more per trained "
+           "weight)"}
+DEFAULT_DIVERGENCE_SNAPSHOT = "file"
 
 
 class Shape(click.ParamType):
@@ -199,8 +211,7 @@ class RunConfig:
         type=click.Choice(["improved", "always", "never"]))
 
     def __post_init__(self):
-        for f in fields(self):
-            object.__setattr__(self, f.name, _checked(f, getattr(self, f.name)))
+        check_options(self)
         if bool(self.test_inputs) != bool(self.test_targets):
             raise UserError(None, "give --test-input and --test-target together")
         if self.validation_split and self.test_inputs:
@@ -226,29 +237,51 @@ class RunConfig:
 
     def argv(self) -> list[str]:
         """The arguments of `microtrain run` that give this record (defaults left out)."""
-        args = []
-        for f in fields(self):
-            value, meta = getattr(self, f.name), f.metadata
-            if value == f.default or value is None:
-                continue
-            if meta["argument"]:
-                args.append(value)
-            elif meta["type"] is bool:
-                args.append(flag(f) if value else meta["off"])
-            else:
-                for item in value if meta["multiple"] else [value]:
-                    args += [flag(f), _text(item)]
-        return args
+        return command_line(self)
 
     @classmethod
     def from_argv(cls, argv) -> "RunConfig":
         """The record a `microtrain run` command line gives (its options only)."""
-        command = options()(click.Command("run", callback=lambda **kw: kw))
-        try:
-            with command.make_context("run", list(argv)) as ctx:
-                return cls(**ctx.params)
-        except click.ClickException as e:
-            raise UserError(None, e.format_message()) from None
+        return cls(**parse(cls, argv))
+
+
+def option_fields(record) -> list:
+    """The fields of a record (class or instance) that are command-line options."""
+    return [f for f in fields(record) if "help" in f.metadata]
+
+
+def check_options(record) -> None:
+    """Convert every option field of `record` (frozen or not) to the type it holds;
+    a bad value is a UserError naming the option."""
+    for f in option_fields(record):
+        object.__setattr__(record, f.name, _checked(f, getattr(record, f.name)))
+
+
+def command_line(record) -> list[str]:
+    """The arguments that give `record`'s option fields (defaults left out)."""
+    args = []
+    for f in option_fields(record):
+        value, meta = getattr(record, f.name), f.metadata
+        if value == f.default or value is None:
+            continue
+        if meta["argument"]:
+            args.append(value)
+        elif meta["type"] is bool:
+            args.append(flag(f) if value else meta["off"])
+        else:
+            for item in value if meta["multiple"] else [value]:
+                args += [flag(f), _text(item)]
+    return args
+
+
+def parse(record_type, argv) -> dict:
+    """The option fields' values that the command line `argv` gives, by field name."""
+    command = options(record=record_type)(click.Command("parse", callback=lambda **kw: kw))
+    try:
+        with command.make_context("parse", list(argv)) as ctx:
+            return ctx.params
+    except click.ClickException as e:
+        raise UserError(None, e.format_message()) from None
 
 
 def flag(f) -> str:
@@ -265,6 +298,41 @@ SWEEP_FIXED = ("frozen", "wof", "backprop", "inputs", "input_shapes", "targets",
 SWEEP_REPLACES = ("checkpoint", "resume", "save")
 SWEEPABLE = {flag(f)[2:]: f for f in fields(RunConfig)
              if f.name not in SWEEP_FIXED + SWEEP_REPLACES}
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """How `microtrain sweep` searches: its own options (the run's are a RunConfig)."""
+    random: int | None = option("Sample this many combinations (seeded by --seed). Default: "
+                                "the full grid.", type=click.IntRange(1))
+    search: str = option(
+        "grid: every combination (or --random's sample); tpe: Optuna's model-based search of "
+        "--trials trials, pruning hopeless ones after each epoch (optional extra [search]).",
+        "grid", type=click.Choice(["grid", "tpe"]))
+    trials: int = option("Trials of --search tpe.", 20, type=click.IntRange(1))
+    halving: bool = option(
+        "Successive halving: every combination trains a few epochs, the better half goes on "
+        "(from its checkpoint) to twice as many, until the full --epochs. Default: every trial "
+        "trains the full --epochs.", False, type=bool)
+    seed: int = option("Seed of the sampling and of every trial's data order (unless seed is "
+                       "swept).", 0, type=int)
+    jobs: int = option("Trials run at once, in worker processes, each with its share of the "
+                       "cores for BLAS (optional extra [parallel]).", 1, type=click.IntRange(1))
+    log: str | None = option("The sweep's JSON Lines log; a sweep given an existing log resumes "
+                             "it. Default: STEM.sweep.jsonl beside the frozen model.", type=FILE)
+
+    def __post_init__(self):
+        check_options(self)
+        if self.random and self.search == "tpe":
+            raise UserError(None, "give either --random N or --search tpe")
+        if self.search == "tpe" and (self.jobs > 1 or self.halving):
+            raise UserError(None, "--search tpe runs one trial at a time and prunes it epoch "
+                                  "by epoch itself: leave out --jobs and --halving")
+
+    @property
+    def method(self) -> str:
+        """grid, random or tpe, as the log records it."""
+        return "random" if self.random else self.search
 
 
 def _text(value) -> str:
@@ -306,7 +374,7 @@ def _param_decorator(f, purpose: str, recorded: str):
         return click.argument(f.name, type=meta["type"])
     text = meta["help"].format(purpose=purpose, recorded=recorded)
     decls = [flag(f) + (f"/{meta['off']}" if meta["off"] else ""), f.name]
-    shown = f.default not in (None, (), MISSING, False)
+    shown = f.default not in (None, (), MISSING) and f.default is not False  # 0 is shown
     if meta["type"] is bool:
         return click.option(*decls, is_flag=True, default=f.default, show_default=shown,
                             help=text)
@@ -315,10 +383,11 @@ def _param_decorator(f, purpose: str, recorded: str):
                         default=None if f.default in (None, ()) else f.default)
 
 
-def options(names=None, exclude=(), purpose: str = "", recorded: str = RECORDED):
-    """Decorate a click command with the options (and FROZEN argument) of the fields
-    `names` (default: all) less `exclude`, in the record's order."""
-    chosen = [f for f in fields(RunConfig) if (names is None or f.name in names)
+def options(names=None, exclude=(), purpose: str = "", recorded: str = RECORDED,
+            record=RunConfig):
+    """Decorate a click command with the options (and FROZEN argument) of `record`'s
+    option fields `names` (default: all) less `exclude`, in the record's order."""
+    chosen = [f for f in option_fields(record) if (names is None or f.name in names)
               and f.name not in exclude]
 
     def decorate(fn):

@@ -123,10 +123,16 @@ def check_run_outputs(config: RunConfig, force: bool = False) -> Path:
     return Path(target)
 
 
-def run(config: RunConfig, on_epoch=None, progress=None, force: bool = False) -> dict:
-    """Train as `microtrain run`; returns the summary."""
+def run(config: RunConfig, on_epoch=None, progress=None, force: bool = False,
+        warn=None) -> dict:
+    """Train as `microtrain run`; returns the summary.  `warn(line)` is told when
+    the run holds other memory than the split planned."""
     check_run_outputs(config, force)
     trainer, xs, ts, test = prepare(config)
+    unplanned = trainer.unplanned()
+    if warn and unplanned:
+        warn(f"{config.frozen}: the plan assumed {' and '.join(unplanned)}; held memory will "
+             "differ from the planned peak")
     judge = test or (xs, ts)
     run_state = RunState(baseline={}, batch_size=trainer.batch_size,
                          data_sha256=data_digest(xs + ts),
@@ -178,8 +184,9 @@ def _save(trainer: Trainer, config: RunConfig, baseline: dict, final: dict, hist
 
 
 def evaluate(config: RunConfig) -> dict:
-    """Loss and metric as `microtrain eval`."""
-    trainer = Trainer.from_config(config)
+    """Loss and metric as `microtrain eval`: of a split model, or of a model no split
+    wrote, judged by its outputs (microtrain/output_loss.py)."""
+    trainer = Trainer.from_config(config, plain=True)
     xs, ts = _load_set(config, config.inputs, config.targets, trainer.data_types())
     result = trainer.evaluate(*trainer.check_data(xs, ts, (config.inputs, config.targets)))
     if not math.isfinite(result["loss"]):

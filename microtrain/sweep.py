@@ -33,11 +33,10 @@ from .threads import limit_blas_threads, require_threadpoolctl, share_of_cores
 from .errors import UserError
 from .files import check_output
 from .metrics import HIGHER_IS_BETTER
-from .run_config import SWEEPABLE, RunConfig, convert
+from .run_config import SWEEPABLE, RunConfig, SweepSettings, convert
 from .trainer import TrainingDiverged
 
 LOG_VERSION = 1
-SEARCHES = ("grid", "random", "tpe")
 OPTUNA_HINT = "pip install 'trainconf-microtrain[search]'"
 
 
@@ -232,20 +231,10 @@ class Start:
     config: RunConfig
 
 
-@dataclass
-class Settings:
-    search: str = "grid"          # grid, random or tpe
-    trials: int | None = None     # random and tpe: how many
-    seed: int = 0                 # sampling, and every trial's data order unless seed is swept
-    jobs: int = 1                 # worker processes
-    halving: bool = False         # successive halving over the grid/random candidates
-    log: Path | None = None       # default: STEM.sweep.jsonl beside the model
-
-
 class Sweep:
     """One sweep: its trials, log, best weights and summary.  `run()` does the work."""
 
-    def __init__(self, config: RunConfig, grid_texts: Sequence[str], settings: Settings):
+    def __init__(self, config: RunConfig, grid_texts: Sequence[str], settings: SweepSettings):
         """`config`: the run options fixed for every trial (those left at their
         defaults may be swept)."""
         self.settings = settings
@@ -261,9 +250,6 @@ class Sweep:
         if both:
             raise UserError(None, f"--{both[0]} is given both as an option and in --grid: give "
                                   "one value (fixed) or the values to sweep, not both")
-        if settings.search == "tpe" and (settings.jobs > 1 or settings.halving):
-            raise UserError(None, "--search tpe runs one trial at a time and prunes it epoch "
-                                  "by epoch itself: leave out --jobs and --halving")
         self.base = config if "seed" in keys else replace(config, seed=settings.seed)
         self.candidates = self._candidates()
         trainer, xs, ts, test = session.prepare(self.base)
@@ -278,7 +264,7 @@ class Sweep:
         self.best_path = self._beside_log(".best.wof")
         self.work = self._beside_log(".trials")
         self.start = self._keep_start(Path(trainer.art.wof_path))
-        header = {"event": "sweep", "version": LOG_VERSION, "search": settings.search,
+        header = {"event": "sweep", "version": LOG_VERSION, "search": settings.method,
                   "halving": settings.halving, "space": {a.key: a.describe() for a in self.axes},
                   "trials": self.count(), "seed": settings.seed,
                   "command": self.command({}), "metric": self.metric, "judged_on": self.judged_on,
@@ -312,10 +298,10 @@ class Sweep:
     # -- trials -------------------------------------------------------------------------------
     def _candidates(self) -> list[dict] | None:
         s = self.settings
-        if s.search == "grid":
+        if s.method == "grid":
             return grid(self.axes)
-        if s.search == "random":
-            return random_sample(self.axes, s.trials, s.seed)
+        if s.method == "random":
+            return random_sample(self.axes, s.random, s.seed)
         return None  # tpe asks Optuna one trial at a time
 
     def count(self) -> int:
@@ -458,7 +444,7 @@ class Sweep:
         if self.log.summary:
             return self.log.summary
         self.work.mkdir(exist_ok=True)
-        if self.settings.search == "tpe":
+        if self.settings.method == "tpe":
             self._run_tpe(on_trial)
         elif self.settings.halving:
             self._run_halving(on_trial)
@@ -500,7 +486,7 @@ class Sweep:
         saved = best is not None and best["improved"]
         counts = {s: sum(r["status"] == s for r in ranked) for s in ("ok", "pruned", "diverged",
                                                                      "failed")}
-        return {"event": "summary", "search": self.settings.search, "metric": self.metric,
+        return {"event": "summary", "search": self.settings.method, "metric": self.metric,
                 "judged_on": self.judged_on, "initial": self.header["baseline"],
                 "trials": len(ranked), **counts,
                 "best": None if best is None else {k: best[k] for k in ("trial", "params",
@@ -515,11 +501,11 @@ class Sweep:
                             for r in ranked]}
 
 
-def sweep(grid_texts: Sequence[str], settings: Settings | None = None,
+def sweep(grid_texts: Sequence[str], settings: SweepSettings | None = None,
           on_trial: Callable[[dict], None] | None = None, **fixed) -> dict:
     """Sweep as `microtrain sweep` does and return the summary; `fixed`: the RunConfig
     fields fixed for every trial (frozen, inputs, targets, validation_split...)."""
-    return Sweep(RunConfig(**fixed), grid_texts, settings or Settings()).run(on_trial)
+    return Sweep(RunConfig(**fixed), grid_texts, settings or SweepSettings()).run(on_trial)
 
 
 def _distribution(optuna, axis: Axis):

@@ -2,17 +2,17 @@
 import functools
 import math
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Callable, Sequence
 
 import numpy as np
 
 from .arena import held_bytes
-from .contracts import LossScaleState, ShufflerState
+from .contracts import LossScaleState, PlannedRun, ShufflerState
 from .artifacts import load_artifacts
 from .data import Holding, batch_indices, check_ids, check_values, hold
 from .errors import UserError
-from .executor import Hooks, Memory, Plan, check_supported, compile_plan, reorders
+from .executor import Memory, Plan, Wrappers, check_supported, compile_plan, reorders
 from .graph import symbolic_batch
 from .format.wof import write_wof
 from .kernels.workspace import sharing
@@ -22,12 +22,12 @@ from .precision import Underflow
 from .quantization import quantize
 from .metrics import HIGHER_IS_BETTER, METRICS, bind, default_metric
 from .optimizers import make_optimizer
+from .output_loss import OutputLoss
 from .parameters import FROZEN_MODEL, resolve
 from .schedules import make_schedule
 from .shuffle import Shuffler
-
-if TYPE_CHECKING:  # run_config imports this module
-    from .run_config import RunConfig
+from .run_config import DEFAULT_DIVERGENCE_SNAPSHOT, DIVERGENCE_SNAPSHOTS, RunConfig
+from .update_order import UpdateOrder
 
 
 def quiet(method):
@@ -39,15 +39,6 @@ def quiet(method):
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             return method(*args, **kwargs)
     return run
-
-
-# Where a diverged run's weights are restored from (--divergence-snapshot)
-DIVERGENCE_SNAPSHOTS = {
-    "file": "those of the .wof last saved (or the one the run read), from disk: no copy of "
-            "the weights in RAM",
-    "ram": "those of the epoch's start, from a copy kept in RAM (4 bytes more per trained "
-           "weight)"}
-DEFAULT_DIVERGENCE_SNAPSHOT = "file"
 
 
 class Diverged(Exception):
@@ -175,8 +166,8 @@ class Trainer:
         if self.art.backprop is not None:
             self.scaler.bind(self.art, self.memory.grad_offsets)
         self.underflow = Underflow()
-        self.hooks = Hooks(self.art, self.scaler, self.underflow, self.memory,
-                           self._update_now if self.reorder else None)
+        self.wrappers = Wrappers(self.scaler, self.underflow,
+                                 UpdateOrder(self.art, self._update_now if self.reorder else None))
         self._begun = False  # whether this step's updates have begun (reordering)
         self._flat_grads = {t: g.reshape(-1) for t, g in self.memory.grad_views.items()}
         # weight t, or a fused tile's (lo, hi) in the weights -> its update
@@ -195,10 +186,11 @@ class Trainer:
         # FedProx: (mu, global weights); adds the gradient of mu/2 * ||w - global||^2
         self.proximal: tuple[float, np.ndarray] | None = None
         self._plans: dict[int, Plan] = {}
+        self._output_losses: dict[int, OutputLoss] = {}  # a model no split wrote: _judged
         self._meters: dict[int, Callable[[], tuple[float, int]]] = {}
 
     @classmethod
-    def from_config(cls, config: "RunConfig", with_backprop: bool = True,
+    def from_config(cls, config: RunConfig, with_backprop: bool = True,
                     plain: bool = False) -> "Trainer":
         """The trainer of `microtrain run`'s options: the files `config` names, with
         its training options (its data and --epochs are for `fit`; --epochs is
@@ -213,10 +205,22 @@ class Trainer:
                    plain=plain, **config.hyperparameters())
 
     # -- data ---------------------------------------------------------------------------------
-    def _plan(self, rows: int) -> Plan:
+    def plan(self, rows: int) -> Plan:
+        """The compiled step (forward, backward and loss closures, input and output
+        views) of a run of the graph on `rows` rows; compiled once, then kept."""
         if rows not in self._plans:
-            self._plans[rows] = compile_plan(self.art, self.memory, rows, self.hooks)
+            self._plans[rows] = compile_plan(self.art, self.memory, rows, self.wrappers)
         return self._plans[rows]
+
+    def _judged(self, rows: int):
+        """What evaluation runs and reads on `rows` rows: the plan, or for a model no
+        split wrote (it trains nothing and has no backprop graph) an OutputLoss of it."""
+        if self.art.training.trainable:
+            return self.plan(rows)
+        if rows not in self._output_losses:
+            self._output_losses[rows] = OutputLoss(self.plan(rows), self.art.forward,
+                                                   self.loss_name)
+        return self._output_losses[rows]
 
     def _expect(self, arrays: Sequence[np.ndarray], views: list[np.ndarray], what: str,
                 names: Sequence[str] | None, quantized: Sequence = ()) -> list:
@@ -264,13 +268,14 @@ class Trainer:
         """Inputs and targets as arrays that fit the model; `names` (input names, target
         names) name them in errors, e.g. their files."""
         names = names or (None, None)
-        plan = self._plan(self.run_rows)
+        plan = self.plan(self.run_rows)
         xs = self._expect(inputs, plan.inputs, "input", names[0], self._input_quantization())
         for i, t in enumerate(self.art.forward.inputs):
             if t in self.art.training.vocab:
                 check_ids(names[0][i] if names[0] else f"input {i}", xs[i],
                           self.art.training.vocab[t])
-        ts = [] if targets is None else self._expect(targets, plan.targets, "target", names[1])
+        ts = [] if targets is None else self._expect(targets, self._judged(self.run_rows).targets,
+                                                     "target", names[1])
         if ts and len(ts[0]) != len(xs[0]):
             if names[0] and names[1]:
                 raise UserError(names[1][0], f"holds {len(ts[0])} samples but the input "
@@ -290,7 +295,7 @@ class Trainer:
         """Add the batch of `rows` rows now in its plan to `totals`: its loss, metric
         and, for a language model, its cross-entropy summed over counted tokens."""
         if rows not in self._meters:
-            plan = self._plan(rows)
+            plan = self._judged(rows)
             with sharing(self.memory.workspace):
                 self._meters[rows] = bind(self.metric, plan.outputs, plan.targets,
                                           self.art.training)
@@ -384,7 +389,7 @@ class Trainer:
         accumulating, the update once every `accum_steps` batches); their loss and
         metric go into `totals`."""
         for part in self._parts(idx):
-            plan = self._plan(len(part))
+            plan = self.plan(len(part))
             self._load(plan, xs, ts, part)
             weight = self._weight(len(part))
             self._run_weight = np.float32(weight)
@@ -534,7 +539,7 @@ class Trainer:
         loss, grads, total = 0.0, np.zeros(self.memory.dense_size, np.float32), 0
         tables = {t: np.zeros_like(self.memory.param_views[t]) for t in self.memory.lazy}
         for part in self._parts(np.arange(len(xs[0]))):
-            plan = self._plan(len(part))
+            plan = self.plan(len(part))
             self._load(plan, xs, ts, part)
             plan.run_forward()
             # reordered, each gradient is copied out where its update would run
@@ -568,11 +573,11 @@ class Trainer:
     def evaluate(self, inputs, targets, checked: bool = False) -> dict:
         """Loss and metric over a whole data set, in batches of the training batch size."""
         xs, ts = (inputs, targets) if checked else self.check_data(inputs, targets)
-        if self.art.backprop is None:
+        if self.art.backprop is None and self.art.training.trainable:
             raise UserError(self.art.frozen_path, "evaluation needs the backprop graph (its loss)")
         totals = Totals()
         for idx in self._batches(len(xs[0])):
-            plan = self._plan(len(idx))
+            plan = self._judged(len(idx))
             self._load(plan, xs, ts, idx)
             plan.run_forward()
             plan.run_loss()
@@ -583,11 +588,11 @@ class Trainer:
     def predict(self, inputs) -> list[np.ndarray]:
         xs, _ = self.check_data(inputs)
         n = len(xs[0])
-        plan = self._plan(self.run_rows)
+        plan = self.plan(self.run_rows)
         outs = [np.empty((n,) + o.shape[1:], o.dtype if o.dtype.kind in "biu" else np.float32)
                 for o in plan.outputs]
         for idx in self._batches(n):
-            plan = self._plan(len(idx))
+            plan = self.plan(len(idx))
             self._load(plan, xs, [], idx)
             plan.run_forward()
             for out, o in zip(outs, plan.outputs):
@@ -597,6 +602,20 @@ class Trainer:
     def improved(self, before: dict, after: dict) -> bool:
         key = self.metric
         return after[key] > before[key] if HIGHER_IS_BETTER[key] else after[key] < before[key]
+
+    def unplanned(self) -> list[str]:
+        """The options this trainer runs with that differ from those the split's
+        memory plan assumed, as the plan's values (e.g. "--accum-steps 1"): the
+        memory held then differs from the plan.  [] when they agree, or for files
+        that do not record them."""
+        planned = self.art.training.planned_for
+        if planned is None:
+            return []
+        ours = PlannedRun(self.scaler.kind, self.accum_steps, self.embedding_update)
+        return [f"--{f.name.replace('_', '-')} " + ("N (a static scale)" if value == "static"
+                                                    else str(value))
+                for f in fields(planned)
+                if (value := getattr(planned, f.name)) != getattr(ours, f.name)]
 
     # -- state --------------------------------------------------------------------------------
     def state(self) -> TrainerState:
@@ -638,7 +657,7 @@ class Trainer:
     def set_params(self, flat: np.ndarray) -> None:
         """Replace the flat fp32 master weights (e.g. from a checkpoint) and the
         working copy the graphs read."""
-        self._plan(self.run_rows)  # the fp16 working copy is rounded by the plan's closures
+        self.plan(self.run_rows)  # the fp16 working copy is rounded by the plan's closures
         self.memory.params[...] = flat
         self.memory.refresh_weights()
 

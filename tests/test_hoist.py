@@ -63,7 +63,7 @@ def test_a_weight_read_by_every_step_is_copied_transposed_and_follows_updates(tm
 
     trainer = Trainer(frozen, batch_size=4)
     trainer.predict([x])
-    assert any(s.func is np.copyto for s in trainer._plans[4].forward[:1])
+    assert any(s.func is np.copyto for s in trainer.plan(4).forward[:1])
     copied = fit()
     monkeypatch.setattr(microtrain.executor, "_transposed_weights", lambda g, arrays: (arrays, []))
     plain = fit()

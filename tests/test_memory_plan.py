@@ -14,12 +14,14 @@ import pytest
 from click.testing import CliRunner
 
 from microtrain.arena import linear
-from microtrain.artifacts import BACKPROP_META, UNSEALED, load_artifacts, seal
+from microtrain.artifacts import BACKPROP_META, UNSEALED, fingerprint, load_artifacts, seal
+from microtrain.contracts import TrainingMeta
 from microtrain.errors import UserError
 from microtrain.format.model import get_metadata, load_model, model_to_bytes, set_metadata
 from microtrain.graph import concrete_shape
 from microtrain.kernels import OVERWRITES
-from microtrain.trainer import DIVERGENCE_SNAPSHOTS, Trainer
+from microtrain.run_config import DIVERGENCE_SNAPSHOTS
+from microtrain.trainer import Trainer
 from trainconf.cli import main
 from trainconf.split import split
 
@@ -154,14 +156,19 @@ def edit_plan(frozen: Path, folder: Path, change) -> Path:
     """A copy of the split files in `folder` whose backprop metadata went through `change`."""
     for f in frozen.parent.glob(frozen.name.replace(".frozen.circle", ".*")):
         shutil.copy(f, folder / f.name)
-    path = folder / frozen.name.replace(".frozen.circle", ".backprop.circle")
+    _edit_links(folder / frozen.name, change)
+    return folder / frozen.name
+
+
+def _edit_links(frozen: Path, change) -> None:
+    """Put the backprop metadata beside `frozen` through `change`, sealed again."""
+    path = frozen.with_name(frozen.name.replace(".frozen.circle", ".backprop.circle"))
     model = load_model(path)
     meta = json.loads(get_metadata(model, BACKPROP_META))
     change(meta)
     meta["backprop_sha256"] = UNSEALED  # sealed again, as trainconf would
     set_metadata(model, BACKPROP_META, json.dumps(meta).encode())
     path.write_bytes(seal(model_to_bytes(model)))
-    return folder / frozen.name
 
 
 def without_plan(frozen: Path, folder: Path) -> Path:
@@ -229,15 +236,33 @@ def test_the_frozen_model_is_read_in_place(splits):
     assert result.memory["ram"] < result.memory["read_only"] / 3
 
 
-@pytest.mark.parametrize("model,budget", [("mlp", "24KB"), ("mlp", "60KB"), ("cnn", "134KB")])
-def test_frozen_rows_are_read_in_place(tmp_path, model, budget):
+def budget_between(model: Path, folder: Path, lower: str, upper: str, **options) -> int:
+    """A --memory-budget halfway between the planned RAM of two --trainable choices,
+    each planned as a budget's split plans them (compact scratch) and without
+    recomputation: a split under it without recomputation trains more than `lower`
+    and less than `upper`, e.g. some rows of a layer between last:1 and last:2."""
+    return sum(split(model, folder / f"plan {choice}", trainable=choice, compact_scratch=True,
+                     recompute="none", **options).memory["ram"] for choice in (lower, upper)) // 2
+
+
+def partial_rows(frozen: Path) -> tuple[int, int]:
+    """(tensor, first trained row) of the weight of which a split trains some rows."""
+    ((kernel, (lo, _)),) = load_artifacts(frozen).training.rows.items()
+    return kernel, lo
+
+
+@pytest.mark.parametrize("model,lower,upper", [("mlp", "biases", "last:1"),
+                                               ("mlp", "last:1", "last:2"),
+                                               ("cnn", "last:1", "last:2")])
+def test_frozen_rows_are_read_in_place(tmp_path, model, lower, upper):
     """A budget that trains some output channels of a kernel: its other rows stay
     in the .wof, mapped (only the trained elements are RAM), and still read as the
     file holds them after training."""
-    result = split(FIXTURES / f"{model}.tflite", tmp_path, memory_budget=budget)
+    path = FIXTURES / f"{model}.tflite"
+    result = split(path, tmp_path, memory_budget=budget_between(path, tmp_path, lower, upper),
+                   recompute="none")
     trainer = Trainer(result.frozen, batch_size=32)
-    kernel = trainer.art.training.trainable[0]
-    lo = trainer.art.training.rows[kernel][0]
+    kernel, lo = partial_rows(result.frozen)
     frozen_bytes = trainer.weights()[kernel][:lo].nbytes
     original = load_artifacts(result.frozen).weights[kernel][:lo].copy()
     x, t = data(model, 64)
@@ -348,14 +373,20 @@ def _diverge(trainer: Trainer, x, t) -> str:
     return str(error.value)
 
 
-@pytest.mark.parametrize("budget", [None, "24KB"])
-def test_a_diverged_run_restores_the_saved_weights_from_the_file(tmp_path, budget):
+@pytest.mark.parametrize("some_rows", [False, True])
+def test_a_diverged_run_restores_the_saved_weights_from_the_file(tmp_path, some_rows):
     """By default no copy of the weights is held: a run whose weights became
-    inf gets back those of the .wof last saved (or read)."""
-    result = split(FIXTURES / "mlp.tflite", tmp_path, memory_budget=budget, optimizer="sgd")
+    inf gets back those of the .wof last saved (or read), also when it trains
+    some rows of a kernel and reads the others in place."""
+    path = FIXTURES / "mlp.tflite"
+    budget = budget_between(path, tmp_path, "biases", "last:1", optimizer="sgd") \
+        if some_rows else None
+    result = split(path, tmp_path, memory_budget=budget, optimizer="sgd", recompute="none")
+    assert bool(load_artifacts(result.frozen).training.rows) == some_rows
     x, t = data("mlp", 64)
     trainer = Trainer(result.frozen, batch_size=32)
-    assert trainer._snapshot is None
+    in_ram = Trainer(result.frozen, batch_size=32, divergence_snapshot="ram")
+    assert in_ram.memory_bytes() - trainer.memory_bytes() == trainer.memory.params.nbytes
     message = _diverge(trainer, x, t)
     assert f"kept the weights of {result.wof}" in message
     saved = load_artifacts(result.frozen).weights
@@ -407,7 +438,10 @@ def test_a_wof_replaced_while_loading_is_refused(tmp_path):
     its place in between is refused, not trained on."""
     from microtrain.executor import Memory
     from microtrain.format.wof import write_wof
-    result = split(FIXTURES / "mlp.tflite", tmp_path, memory_budget="24KB")
+    path = FIXTURES / "mlp.tflite"
+    result = split(path, tmp_path, memory_budget=budget_between(path, tmp_path, "biases", "last:1"),
+                   recompute="none")
+    partial_rows(result.frozen)
     art = load_artifacts(result.frozen)
     write_wof(result.wof, len(art.forward.tensors), {t: w * 2 for t, w in art.weights.items()})
     with pytest.raises(UserError, match=r"mlp\.wof: was replaced while it was being loaded"):
@@ -530,16 +564,14 @@ def test_a_fused_gradient_is_the_whole_products_rows(splits, tmp_path, model, ba
 
 def test_a_step_with_a_non_finite_loss_updates_nothing(splits):
     """The first update checks the loss: a diverged step leaves every weight as it was."""
-    from microtrain.trainer import Diverged
+    from microtrain.trainer import Diverged, Totals
     trainer = Trainer(splits("mlp").frozen, batch_size=8, optimizer="sgd")
     assert trainer.reorder
     x, t = data("mlp", 8)
-    x[3, 5] = np.inf
+    x[3, 5] = np.inf  # past check_data, which train_batch leaves to its callers
     before = trainer.memory.params.copy()
-    plan = trainer._plan(8)
-    trainer._load(plan, [x], [t], np.arange(8))
     with pytest.raises(Diverged), np.errstate(invalid="ignore"):
-        trainer._forward_backward(plan)
+        trainer.train_batch([x], [t], np.arange(8), Totals())
     np.testing.assert_array_equal(trainer.memory.params, before)
 
 
@@ -586,3 +618,55 @@ def test_a_damaged_gradient_plan_is_refused(splits, tmp_path, change, error):
     x, t = data("mlp", 4)
     with pytest.raises(UserError, match=error):
         Trainer(frozen, batch_size=4).gradients([x], [t])
+
+
+# -- what the plan assumed of the run -------------------------------------------------------------
+
+def _without_planned_for(frozen: Path, folder: Path) -> Path:
+    """A copy of the split files as written before the plan's assumptions were recorded."""
+    copy = edit_plan(frozen, folder, lambda meta: None)
+    model = load_model(copy)
+    training = json.loads(get_metadata(model, TrainingMeta.NAME))
+    del training["planned_for"]
+    set_metadata(model, TrainingMeta.NAME, json.dumps(training).encode())
+    data = model_to_bytes(model)
+    copy.write_bytes(data)
+    _edit_links(copy, lambda meta: meta.update(frozen_sha256=fingerprint(data)))
+    return copy
+
+
+def _run(frozen: Path, *options: str):
+    x, t = (str(FIXTURES / f"{f}.npy") for f in FILES["mlp"])
+    from microtrain.cli import main as microtrain_main
+    return CliRunner().invoke(microtrain_main, [
+        "run", str(frozen), "--input", x, "--target", t, "--epochs", "1", "--seed", "0",
+        "--json", "--output-wof", str(frozen.with_name("out.wof")), *options])
+
+
+def test_a_run_other_than_planned_says_so_in_one_line(tmp_path):
+    from microtrain.contracts import PlannedRun
+    result = split(FIXTURES / "mlp.tflite", tmp_path, loss_scale="128", accum_steps=2)
+    assert load_artifacts(result.frozen).training.planned_for == PlannedRun("static", 2, "dense")
+    inspected = CliRunner().invoke(main, ["inspect", str(result.frozen), "--json"])
+    assert json.loads(inspected.stdout)["trainable"]["planned_for"] == \
+        {"loss_scale": "static", "accum_steps": 2, "embedding_update": "dense"}
+    as_planned = _run(result.frozen, "--loss-scale", "512", "--accum-steps", "2")
+    assert as_planned.exit_code == 0 and as_planned.stderr == ""
+    other = _run(result.frozen, "--accum-steps", "1")
+    assert other.exit_code == 0, other.output
+    assert other.stderr == (f"warning: {result.frozen}: the plan assumed --loss-scale N (a static "
+                            f"scale) and --accum-steps 2; held memory will differ from the "
+                            f"planned peak\n")
+    held = json.loads(other.stdout.splitlines()[-1])["memory_bytes"]
+    assert held < 0.98 * result.memory["ram"]  # the warning is no false alarm
+
+
+def test_files_without_the_plans_assumptions_load_and_run_quietly(tmp_path):
+    result = split(FIXTURES / "mlp.tflite", tmp_path / "split")
+    (tmp_path / "old").mkdir()
+    old = _without_planned_for(result.frozen, tmp_path / "old")
+    assert load_artifacts(old).training.planned_for is None
+    inspected = CliRunner().invoke(main, ["inspect", str(old), "--json"])
+    assert json.loads(inspected.stdout)["trainable"]["planned_for"] is None
+    run = _run(old, "--accum-steps", "2")
+    assert run.exit_code == 0 and run.stderr == "", run.output

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from microtrain.executor import Plan
 from microtrain.format.model import load_model, model_to_bytes, op_name
 from microtrain.loss_scale import make_loss_scale
 from microtrain.trainer import Trainer
@@ -64,12 +65,12 @@ def test_adaptive_scales_differ_between_layers(models):
 
 def test_injected_overflow_skips_exactly_that_step_and_backs_off(models, monkeypatch):
     t = trainer(models, scale="dynamic")
-    run = t._forward_backward
+    run = Plan.run_backward
     calls = {"n": 0}
     state = {}
 
     def overflow_on_third_step(plan):
-        loss = run(plan)
+        run(plan)
         calls["n"] += 1
         if calls["n"] == 3:
             t.memory.grads[0] = np.inf
@@ -81,8 +82,7 @@ def test_injected_overflow_skips_exactly_that_step_and_backs_off(models, monkeyp
                 np.testing.assert_array_equal(value, state["opt"][name])
             assert t.optimizer.iterations == state["iterations"]
             assert t.scaler.scale == state["scale"] / 2 and t.scaler.good_steps == 0
-        return loss
-    monkeypatch.setattr(t, "_forward_backward", overflow_on_third_step)
+    monkeypatch.setattr(Plan, "run_backward", overflow_on_third_step)
     record = t.fit([X], [Y], epochs=1, shuffle=False)[0]
     assert record["skipped_steps"] == 1
     assert t.optimizer.iterations == calls["n"] - 1
@@ -98,10 +98,7 @@ def test_dynamic_scale_grows_after_the_interval(models):
 
 def test_fp16_tensors_hold_float16_values(models):
     t = trainer(models)
-    plan = t._plan(32)
-    t._load(plan, [X], [Y], np.arange(32))
-    plan.run_forward()
-    plan.run_backward()
+    t.gradients([X[:32]], [Y[:32]])  # a forward and backward pass, no update
     for graph, arrays in ((t.art.forward, t.memory.forward), (t.art.backprop, t.memory.backprop)):
         for tensor, a in zip(graph.tensors, arrays):
             if tensor.dtype == np.float16:
@@ -173,6 +170,7 @@ def test_tiled_fp16_ops_train_as_whole_ones(tmp_path, monkeypatch, model):
     to float32 summation order, and the tiles hold less scratch; an absent optional
     input (a bias) stays absent in every tile."""
     import microtrain.executor as executor
+    import microtrain.row_tiles as row_tiles
     source = FIXTURES / "cnn.tflite" if model == "cnn" else _without_dense_bias(tmp_path)
     frozen = split(source, tmp_path, precision="fp16").frozen
     x, y = np.load(FIXTURES / "digits_images.npy")[:300], np.load(FIXTURES / "digits_onehot.npy")[:300]
@@ -183,9 +181,9 @@ def test_tiled_fp16_ops_train_as_whole_ones(tmp_path, monkeypatch, model):
         return losses, t.memory.workspace.buffer.nbytes
     whole, whole_scratch = run()
     tiled_ops = []
-    monkeypatch.setattr(executor, "TILE", 256)
-    monkeypatch.setattr(executor.Hooks, "_tiled", lambda self, g, op, *a, _t=executor.Hooks._tiled:
-                        tiled_ops.append(op.type) or _t(self, g, op, *a))
+    monkeypatch.setattr(row_tiles, "TILE", 256)
+    monkeypatch.setattr(executor, "tiled", lambda g, op, *a, _t=executor.tiled:
+                        tiled_ops.append(op.type) or _t(g, op, *a))
     tiled, tiled_scratch = run()
     assert {"CONV_2D", "Conv2DInputGrad", "Conv2DWeightGrad", "FULLY_CONNECTED"} <= set(tiled_ops)
     np.testing.assert_allclose(tiled, whole, rtol=1e-4)

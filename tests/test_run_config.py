@@ -12,7 +12,9 @@ from click.testing import CliRunner
 from microtrain.cli import main
 from microtrain.errors import UserError
 from microtrain.loss_scale import make_loss_scale
-from microtrain.run_config import RunConfig, Shape, flag
+from microtrain.federated.settings import FederatedSettings
+from microtrain.run_config import (RunConfig, Shape, SweepSettings, command_line, flag,
+                                   option_fields, parse)
 from microtrain.shuffle import Shuffler
 from microtrain.trainer import Trainer
 from trainconf.split import split
@@ -80,24 +82,62 @@ def test_the_command_line_names_the_option_of_a_bad_value():
     assert result.stderr == "Error: give --test-input and --test-target together\n"
 
 
+def _help_entries(command: str) -> tuple[str, list[str]]:
+    """`microtrain COMMAND --help` and its options' entries, each on one line."""
+    text = CliRunner().invoke(main, [command, "--help"], terminal_width=10_000).output
+    return text, [" ".join(e.split()) for e in re.split(r"\n  (?=-)", text)]
+
+
+def _assert_explained(entries: list[str], f) -> None:
+    """Field `f`'s option is offered with help that states its default."""
+    line = next((e for e in entries if e.startswith(flag(f) + " ")), None)
+    assert line is not None, flag(f)
+    assert len(line) > len(flag(f)) + 20, line  # some help, beyond the flag and its type
+    assert re.search(r"default|\[required\]", line, re.IGNORECASE), line
+    if f.default not in (None, ()) and f.default is not False:
+        shown = f.default if f.metadata["type"] is not bool else flag(f)[2:]
+        assert f"[default: {shown}" in line, line
+
+
 @pytest.mark.parametrize("command", ["run", "eval", "infer", "sweep", "federated"])
 def test_help_explains_every_field_and_its_default(command):
     """run offers every field; the others those they take, each explained the same way."""
-    text = CliRunner().invoke(main, [command, "--help"], terminal_width=10_000).output
-    entries = [" ".join(e.split()) for e in re.split(r"\n  (?=-)", text)]
+    text, entries = _help_entries(command)
     offered = {p.name for p in main.commands[command].params}
     for f in fields(RunConfig):
         if f.name == "frozen":
             assert "FROZEN" in text
             continue
-        line = next((e for e in entries if e.startswith(flag(f) + " ")), None)
         if command != "run" and (f.name not in offered or f.name == "seed"):
             continue  # sweep's and federated's --seed are their own
-        assert line is not None, flag(f)
-        assert re.search(r"default|\[required\]", line, re.IGNORECASE), line
-        if f.default not in (None, (), False):
-            shown = f.default if f.metadata["type"] is not bool else flag(f)[2:]
-            assert f"[default: {shown}" in line, line
+        _assert_explained(entries, f)
+
+
+@pytest.mark.parametrize("command, record", [("sweep", SweepSettings),
+                                             ("federated", FederatedSettings)])
+def test_a_commands_own_options_come_from_its_record(command, record):
+    """Every option field of sweep's and federated's records is an option of the command,
+    explained with its default, and nothing else of theirs is hand-written beside them."""
+    _, entries = _help_entries(command)
+    own = option_fields(record)
+    assert own
+    for f in own:
+        _assert_explained(entries, f)
+    assert {f.name for f in fields(record)} - {f.name for f in own} <= {"run"}
+
+
+def _settings(record, **changes):
+    return FederatedSettings(RunConfig(**BASE, validation_split=0.2), **changes) \
+        if record is FederatedSettings else record(**changes)
+
+
+@pytest.mark.parametrize("record", [SweepSettings, FederatedSettings])
+def test_a_commands_own_options_round_trip_through_its_command_line(record):
+    for f in option_fields(record):
+        value = "dirichlet:0.5" if f.name == "partition" else _other(f)
+        settings = _settings(record, **{f.name: value})
+        assert getattr(settings, f.name) != f.default, f.name
+        assert _settings(record, **parse(record, command_line(settings))) == settings, f.name
 
 
 def test_a_trainer_from_a_config_trains_as_one_given_the_same_options(tmp_path):

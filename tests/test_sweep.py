@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from microtrain.cli import main, run
 from microtrain.run_config import SWEEPABLE, RunConfig
-from microtrain.sweep import Settings, Sweep, axis, swept, sweep as sweep_api
+from microtrain.sweep import SweepSettings, Sweep, axis, swept, sweep as sweep_api
 from trainconf.split import split
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -133,11 +133,11 @@ def test_random_sweep_samples_log_uniform_ranges_with_its_seed(frozen, tmp_path)
 def _api_sweep(frozen, log: Path, grid=GRID, **settings) -> Sweep:
     fixed = {"frozen": str(frozen), "inputs": (str(X),), "targets": (str(Y),),
              "validation_split": 0.2}
-    return Sweep(RunConfig(**fixed), [grid], Settings(log=log, **settings))
+    return Sweep(RunConfig(**fixed), [grid], SweepSettings(log=log, **settings))
 
 
 def test_the_python_api_sweeps_as_the_command_does(frozen, tmp_path):
-    summary = sweep_api([GRID], Settings(log=tmp_path / "api.jsonl"), frozen=str(frozen),
+    summary = sweep_api([GRID], SweepSettings(log=tmp_path / "api.jsonl"), frozen=str(frozen),
                         inputs=(str(X),), targets=(str(Y),), validation_split=0.2,
                         output_wof=str(tmp_path / "api.wof"))
     _, by_command = sweep_json(frozen, "--grid", GRID, "--log", tmp_path / "cli.jsonl",

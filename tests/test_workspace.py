@@ -216,8 +216,8 @@ def _poisoning(monkeypatch):
     garbage before each closure, alternating two patterns."""
     compile_plan = microtrain.trainer.compile_plan
 
-    def poisoned(art, mem, rows, hooks):
-        plan = compile_plan(art, mem, rows, hooks)
+    def poisoned(art, mem, rows, wrappers):
+        plan = compile_plan(art, mem, rows, wrappers)
         calls = iter(range(1 << 62))
 
         def wrap(step):

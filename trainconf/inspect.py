@@ -57,13 +57,16 @@ def describe(model: circle.ModelT) -> dict:
 def trained(path: Path, model: circle.ModelT) -> dict | None:
     """What a frozen model written by `trainconf split` trains: the --trainable
     scheme it was chosen by (or --memory-budget's choice in those terms), the
-    count of trainable tensors and their partial rows; else None."""
+    count of trainable tensors and their partial rows, and what its memory plan
+    assumed of `microtrain run`'s options (None: not recorded); else None."""
     raw = get_metadata(model, TRAINING_META)
     if raw is None:
         return None
     training = TrainingMeta.from_json(raw, path)
+    planned = training.planned_for
     return {"scheme": training.scheme, "tensors": len(training.trainable),
-            "rows": {str(t): list(r) for t, r in training.rows.items()}}
+            "rows": {str(t): list(r) for t, r in training.rows.items()},
+            "planned_for": planned.to_dict() if planned else None}
 
 
 def planned_memory(path: Path, model: circle.ModelT, batch: int | None, optimizer: str | None,

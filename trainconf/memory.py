@@ -25,7 +25,8 @@ from microtrain.arena import START_ALIGN, held_bytes, linear, memory_limit
 from microtrain.artifacts import Artifacts
 from microtrain.contracts import GraphLinks, MemoryPlan
 from microtrain.errors import UserError
-from microtrain.executor import Hooks, Memory, _trained_spans, compile_plan, precision, reorders
+from microtrain.executor import (Memory, Wrappers, _trained_spans, compile_plan, precision,
+                                 reorders)
 from microtrain.format.wof import placement
 from microtrain.precision import dtype_of, reduced
 from microtrain.precision import storage as runtime_dtype
@@ -38,6 +39,7 @@ from microtrain.metrics import bind, default_metric
 from microtrain.optimizers import TILE, make_optimizer
 from microtrain.precision import Underflow
 from microtrain.trainer import DEFAULT_DIVERGENCE_SNAPSHOT
+from microtrain.update_order import UpdateOrder
 from microtrain.weight_map import WeightMap, weight_map
 
 from .operators import ROW_GRADS
@@ -338,7 +340,7 @@ def measure_scratch(art: Artifacts, batch: int) -> list[int]:
     from 4096 elements on)."""
     def at(n: int) -> int:
         mem = Memory(art, n)
-        plan = compile_plan(art, mem, n, Hooks(art, LossScale(), Underflow()))
+        plan = compile_plan(art, mem, n, Wrappers(LossScale(), Underflow(), UpdateOrder(art)))
         with sharing(mem.workspace):  # as the Trainer binds its metric
             meter = bind(default_metric(art.training.loss), plan.outputs, plan.targets,
                          art.training)

@@ -10,9 +10,10 @@ from microtrain.arena import START_ALIGN
 from microtrain.atomic import PENDING, atomic_write_set
 from microtrain.kernels.workspace import tile_bytes
 from microtrain.lazy import DEFAULT_EMBEDDING_UPDATE
-from microtrain.loss_registry import LOSS_KINDS
-from microtrain.loss_scale import DEFAULT_LOSS_SCALE
-from microtrain.contracts import GraphLinks, Precision, TrainingMeta, TrainingParameters
+from microtrain.loss_registry import LOSS_KINDS, default_loss
+from microtrain.loss_scale import DEFAULT_LOSS_SCALE, make_loss_scale
+from microtrain.contracts import (GraphLinks, PlannedRun, Precision, TrainingMeta,
+                                  TrainingParameters)
 from microtrain.errors import UserError
 from microtrain.files import check_output
 from microtrain.format.model import (buffer_array, load_model, model_to_bytes, remove_metadata,
@@ -155,12 +156,6 @@ def set_activation_dtype(model, g: Graph, dtype: np.dtype) -> None:
         model.subgraphs[0].tensors[t].type = tensor_type(dtype)
 
 
-def default_loss(g: Graph) -> str:
-    producers = g.producers()
-    last = producers.get(g.outputs[0])
-    return "cce" if last is not None and last.type == "SOFTMAX" else "mse"
-
-
 def cut_weights(model, trainable: list[int]) -> dict[int, np.ndarray]:
     """Remove the trainable tensors' data from the model; returns it for the .wof."""
     sg = model.subgraphs[0]
@@ -245,6 +240,7 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
             check_weights_kept(model_weights(model_path, types, quant), model_path, out_dir, None)
 
         mode = recompute or default_mode(memory_budget)
+        planned_for = PlannedRun(make_loss_scale(loss_scale).kind, accum_steps, embedding_update)
         made: dict = {}  # id of a Built -> (choose, scheme) it was built for
 
         def make(choose, scheme: str, target: int | None = 0 if mode == "auto" else None,
@@ -252,7 +248,7 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
                                       fused_tile(params.batch_size))) -> Built:
             built = build(model_path, choose, setup.loss, setup.reduction, types,
                           params.batch_size, params, ignore_index, from_logits, lora, scheme,
-                          tiles, recompute=target, quant=quant)
+                          tiles, recompute=target, quant=quant, planned_for=planned_for)
             made[id(built)] = choose, scheme
             return built
         if lora is not None and memory_budget is not None:
@@ -413,7 +409,7 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
           parameters: TrainingParameters | None = None, ignore_index: int | None = None,
           from_logits: bool = False, lora: LoraSpec | None = None, scheme: str = "",
           tiles: Tiles | None = None, recompute: int | None = None,
-          quant: QuantSpec = QuantSpec()) -> Built:
+          quant: QuantSpec = QuantSpec(), planned_for: PlannedRun | None = None) -> Built:
     """Split the model at `model_path`; `choose(graph)` returns the trainable
     tensors (in execution order) and the rows {tensor: (lo, hi)} of those that
     train only some of their rows; `scheme` is the --trainable text it follows;
@@ -422,7 +418,8 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
     The kernel scratch is measured at batch 1 and `batch_size`.  `parameters` are recorded for microtrain run; `lora`
     adds adapters that train beside the chosen tensors.  With `recompute` (an
     arena target in bytes, 0: the least arena) the backward pass recomputes
-    the forward activations trainconf.recompute chooses; `quant` fake-quantizes."""
+    the forward activations trainconf.recompute chooses; `quant` fake-quantizes;
+    `planned_for` is recorded as what the memory plan assumes of the run."""
     tiles = tiles or Tiles(None, fused_tile(batch_size))
     model, g, model_batch = load_prepared(model_path, types, quant)
     check_forward(g)
@@ -452,7 +449,8 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
                             ignore_index=ignore_index, from_logits=from_logits,
                             rows=dict(rows), vocab=id_inputs(g), scheme=scheme,
                             scratch_tile=tiles.scratch,
-                            parameters=parameters or TrainingParameters())
+                            parameters=parameters or TrainingParameters(),
+                            planned_for=planned_for)
     set_metadata(model, TrainingMeta.NAME, training.to_json())
     frozen_bytes = model_to_bytes(model)
     for t in weights:  # as the runtime reads the frozen model

@@ -1,14 +1,17 @@
-"""The settings of a federated run: one typed record, its defaults stated once.
+"""The settings of a federated run: one typed record whose fields state the options
+of `microtrain federated` (help, default, type: microtrain/run_config.py's `option`).
 
 The record travels as JSON: in the Flower run config (key `microtrain`) to the
 ServerApp, and in every training round's ConfigRecord to the ClientApps, so
 both engines (simulation, deployment) configure the two apps the same way.
 """
 import json
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields
+
+import click
 
 from ..errors import UserError
-from ..run_config import HYPERPARAMETER, RunConfig, group
+from ..run_config import HYPERPARAMETER, RunConfig, check_options, group, option
 
 STRATEGIES = ("fedavg", "fedprox", "fedadam")
 TRANSMIT = ("fp32", "fp16")
@@ -24,44 +27,48 @@ RUN_OPTIONS = ("frozen", "wof", "backprop", "inputs", "input_shapes", "batch_siz
 
 @dataclass(frozen=True)
 class FederatedSettings:
-    run: RunConfig  # the model, data and how each device trains, as `microtrain run`
-    clients: int = 10
-    rounds: int = 5
-    partition: str = "iid"
-    fraction: float = 1.0
-    min_clients: int = 2
-    evaluate_fraction: float = 0.0
-    local_epochs: int = 1
-    strategy: str = "fedavg"
-    proximal_mu: float = 0.01
-    server_learning_rate: float = 0.01
-    transmit: str = "fp32"
-    keep_optimizer_state: bool = True
-    client_threads: int = 1
-    seed: int = 0
-    round_timeout: float = 600.0
+    """A federated run: `run` (the model, data and how each device trains, as
+    `microtrain run`) and `microtrain federated`'s own options."""
+    run: RunConfig
+    clients: int = option("Simulated devices; the training data is split across them.", 10,
+                          type=click.IntRange(1))
+    rounds: int = option("Federated rounds.", 5, type=click.IntRange(1))
+    partition: str = option(
+        "How the data is split: iid (equal random shares) or dirichlet:ALPHA (class shares per "
+        "device drawn from Dirichlet(ALPHA); smaller is more skewed).", "iid", type=str)
+    fraction: float = option("Fraction of the devices that train in each round.", 1.0,
+                             type=click.FloatRange(0, 1, min_open=True))
+    min_clients: int = option("Devices a round needs at least (Flower's min_train_nodes and "
+                              "min_available_nodes).", 2, type=click.IntRange(1))
+    evaluate_fraction: float = option(
+        "Fraction of the devices that also evaluate the global weights on their own data each "
+        "round (device_loss, device_<metric>); the server always evaluates them on the "
+        "held-out set.", 0.0, type=click.FloatRange(0, 1))
+    local_epochs: int = option("Epochs each device trains per round.", 1, type=click.IntRange(1))
+    strategy: str = option("Flower's aggregation strategy.", "fedavg",
+                           type=click.Choice(STRATEGIES))
+    proximal_mu: float = option("fedprox: weight of the proximal term mu/2 ||w - w_global||^2.",
+                                0.01, type=float)
+    server_learning_rate: float = option("fedadam: the server's step size (eta).", 0.01,
+                                         type=float)
+    transmit: str = option(
+        "Type of the weights on the wire, both ways (fp16 halves the bytes; the server "
+        "aggregates and devices train in fp32).", "fp32", type=click.Choice(TRANSMIT))
+    keep_optimizer_state: bool = option(
+        "Whether a device keeps its optimizer state between rounds.", True, type=bool,
+        off="--reset-optimizer-state")
+    client_threads: int = option("BLAS threads of each device's process.", 1,
+                                 type=click.IntRange(1))
+    seed: int = option("Seed of the partition and of every device's shuffling.", 0, type=int)
+    round_timeout: float = option("Seconds the server waits for the devices' replies in a "
+                                  "round.", 600.0, type=float)
 
     def __post_init__(self):
-        self._check()
-
-    def _check(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise UserError(None, f"unknown strategy {self.strategy!r} (choose from "
-                                  f"{', '.join(STRATEGIES)})")
-        if self.transmit not in TRANSMIT:
-            raise UserError(None, f"--transmit must be one of {', '.join(TRANSMIT)}")
-        for name in ("clients", "rounds", "local_epochs", "client_threads"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise UserError(None, f"--{name.replace('_', '-')} must be at least 1, "
-                                      f"got {getattr(self, name)}")
-        if not 0 < self.fraction <= 1:
-            raise UserError(None, f"--fraction must be in (0, 1], got {self.fraction}")
-        if not 0 <= self.evaluate_fraction <= 1:
-            raise UserError(None, f"--evaluate-fraction must be in [0, 1], got "
-                                  f"{self.evaluate_fraction}")
-        if not 1 <= self.min_clients <= self.clients:
-            raise UserError(None, f"--min-clients must be between 1 and --clients "
-                                  f"({self.clients}), got {self.min_clients}")
+        check_options(self)
+        if self.min_clients > self.clients:
+            raise UserError(None, f"must not exceed --clients ({self.clients}), got "
+                                  f"{self.min_clients}",
+                            "--min-clients")
         if not (self.run.test_inputs or self.run.validation_split):
             raise UserError(None, "the server needs a held-out set: give --test-input/"
                                   "--test-target or --validation-split")
@@ -87,10 +94,6 @@ def _known(record, known) -> dict:
     if unknown:
         raise UserError(None, f"unknown federated settings: {', '.join(sorted(unknown))}")
     return record
-
-
-# the defaults, for the command line's options and help
-DEFAULTS = {f.name: f.default for f in fields(FederatedSettings) if f.default is not MISSING}
 
 
 def parse_partition(spec: str) -> tuple[str, float | None]:

@@ -28,8 +28,8 @@ INTEGER_KERNELS: dict[str, Factory] = {}  # the kernels of operators on quantize
 # (a custom op whose versions differ in meaning); the others run every version.
 VERSIONS: dict[str, frozenset[int]] = {}
 
-# How a kernel treats the rows of a leading batch axis (what lets the executor run
-# it on a batch a few rows at a time): "each": each row of the outputs depends only
+# How a kernel treats the rows of a leading batch axis (what lets microtrain/row_tiles.py
+# run it on a batch a few rows at a time): "each": each row of the outputs depends only
 # on the same row of the batch-shaped inputs; "sum": the (only) output is a sum over
 # the rows of the batch-shaped inputs.  Kernels not listed are run whole.
 ROWS: dict[str, str] = {}
