@@ -130,8 +130,10 @@ class Optimizer:
         with each gradient, so the views are cut once)."""
         part = params[lo:hi]
         slots = {name: a[lo:hi] for name, a in self._slots.items()}
-        run = self._tile if part.size <= TILE else self._step
-        return lambda grads: run(part, grads, slots, self._lr, self._c)
+        if part.size > TILE:
+            return lambda grads: self._step(part, grads, slots, self._lr, self._c)
+        tmp = [t[:part.size] for t in self._tmp]  # a small weight's: cut once
+        return lambda grads: self._tile(part, grads, slots, self._lr, self._c, tmp)
 
     def update_rows(self, params: np.ndarray, lo: int, hi: int, grad) -> None:
         """Update the rows the RowGrad `grad` touched of the table at params[lo:hi]."""
@@ -176,8 +178,8 @@ class Optimizer:
             hi = lo + TILE
             self._tile(params[lo:hi], grads[lo:hi], {n: a[lo:hi] for n, a in slots.items()}, lr, c)
 
-    def _tile(self, params, grads, slots: dict, lr, c) -> None:
-        tmp = [t[:params.size] for t in self._tmp]
+    def _tile(self, params, grads, slots: dict, lr, c, tmp=None) -> None:
+        tmp = tmp or [t[:params.size] for t in self._tmp]
         if self._weight_decay is not None:
             t = tmp[0]
             np.multiply(params, self._weight_decay, out=t)

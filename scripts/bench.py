@@ -130,9 +130,10 @@ def describe(m: dict) -> str:
 class Worker:
     """A bench_worker.py process: one runtime training one configuration."""
 
-    def __init__(self, runtime: str, spec: dict, env: dict, python: str = sys.executable):
+    def __init__(self, runtime: str, spec: dict, env: dict, python: str = sys.executable,
+                 script: Path = WORKER):
         self.runtime = runtime
-        self.proc = subprocess.Popen([python, str(WORKER), runtime], text=True, env=env,
+        self.proc = subprocess.Popen([python, str(script), runtime], text=True, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.hello = self.ask(spec)
         if self.refused:
@@ -202,8 +203,8 @@ class Workspace:
         self.env = bytecode_env(folder / "pycache")
 
     def worker(self, runtime: str, spec: dict, python: str = sys.executable,
-               env: dict | None = None) -> Worker:
-        return Worker(runtime, spec, {**self.env, **(env or {})}, python)
+               env: dict | None = None, script: Path = WORKER) -> Worker:
+        return Worker(runtime, spec, {**self.env, **(env or {})}, python, script)
 
     def data(self, name: str) -> tuple[str, str, int]:
         """Paths of the inputs and targets, and the sample count.  Cut to whole batches:
@@ -479,6 +480,9 @@ PRECISION_RUNS = [("fp32", "none"), ("fp16", "none"), ("fp16", "1024"), ("fp16",
                   ("fp16", "adaptive"), ("bf16", "none")]
 # the issue's memory targets: fp16/fp32 planned and measured peak on MobileNetV2
 MEMORY_TARGETS = [("adam", 32, 0.8), ("sgd", 32, 0.75), ("sgd", 128, 0.65)]
+# issue 20's target: half the RAM MobileNetV2 (every layer, Adam, batch 32) planned before
+# it (21,974,832 bytes at commit f718a80)
+RECOMPUTE_BUDGET = "10.9MB"
 
 
 def _split_worker(ws: Workspace, name: str, out: str, optimizer: str, batch: int,
@@ -486,13 +490,10 @@ def _split_worker(ws: Workspace, name: str, out: str, optimizer: str, batch: int
     """A microtrain worker training `name` split with `split_options`, and the
     split's planned peak by part."""
     from trainconf.split import split
-    x, y, _ = ws.data(name)
     result = split(FIXTURES / f"{name}.tflite", ws.folder / out, loss=MODELS[name][1],
                    optimizer=optimizer, batch_size=batch, loss_scale=scale, **split_options)
-    return ws.worker("microtrain", {
-        "x": x, "y": y, "optimizer": optimizer, "learning_rate": LEARNING_RATES[optimizer],
-        "batch": batch, "loss": MODELS[name][1], "frozen": str(result.frozen),
-        "loss_scale": scale}), result.memory
+    return ws.worker("microtrain", _microtrain_spec(ws, name, result.frozen, optimizer, batch,
+                                                    scale)), result.memory
 
 
 def _precision_workers(ws: Workspace, name: str, runs, optimizer: str, batch: int) -> dict:
@@ -506,16 +507,56 @@ def _precision_workers(ws: Workspace, name: str, runs, optimizer: str, batch: in
     return {"workers": workers, "planned": planned}
 
 
-def recompute_row(ws: Workspace, rounds: int, epochs: int) -> dict:
-    """MobileNetV2, every layer, Adam, batch 32: `--recompute none` against
-    `auto`, the workers alternating; compute ms/step, planned and measured peak."""
-    started = {mode: _split_worker(ws, "mobilenetv2", f"recompute-{mode}", "adam", BATCH,
-                                   recompute=mode) for mode in ("none", "auto")}
+def _microtrain_spec(ws: Workspace, name: str, frozen: Path, optimizer: str, batch: int,
+                     scale: str = "none") -> dict:
+    x, y, _ = ws.data(name)
+    return {"x": x, "y": y, "optimizer": optimizer, "learning_rate": LEARNING_RATES[optimizer],
+            "batch": batch, "loss": MODELS[name][1], "frozen": str(frozen), "loss_scale": scale}
+
+
+def _baseline_worker(ws: Workspace, rev: str, name: str, optimizer: str, batch: int):
+    """A microtrain worker of the source tree of commit `rev` (its own trainconf
+    splits `name` with its defaults, its own bench_worker.py trains it), and that
+    split's planned peak."""
+    tree = ws.folder / f"baseline-{rev}"
+    if not tree.exists():
+        tree.mkdir()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True)
+        if archive.returncode:
+            raise click.ClickException(f"--baseline-rev {rev}: {archive.stderr.decode().strip()}")
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    env = {**ws.env, "PYTHONPATH": str(tree)}
+    out = ws.folder / f"baseline-{rev}-split"
+    run = subprocess.run([sys.executable, "-c", "from trainconf.cli import main; main()", "split",
+                          str(FIXTURES / f"{name}.tflite"), "-o", str(out), "--optimizer",
+                          optimizer, "--batch-size", str(batch), "--loss", MODELS[name][1],
+                          "--json"], capture_output=True, text=True, env=env, cwd=tree)
+    if run.returncode:
+        raise click.ClickException(f"--baseline-rev {rev}: its split failed: {run.stderr.strip()}")
+    frozen = next(out.glob("*.frozen.circle"))
+    memory = json.loads(run.stdout)["memory"]
+    return ws.worker("microtrain", _microtrain_spec(ws, name, frozen, optimizer, batch), env=env,
+                     script=tree / "scripts" / "bench_worker.py"), memory
+
+
+def recompute_row(ws: Workspace, rounds: int, epochs: int, budget: str,
+                  baseline: str | None) -> dict:
+    """MobileNetV2, every layer, Adam, batch 32: the default split against the split
+    for `budget` (`--memory-budget`: recomputation, kernel scratch and tiles as the
+    budget chooses) and, given `baseline` (a commit), that commit's default split
+    trained by its own code, the workers alternating; compute ms/step, planned and
+    measured peak."""
+    started = {"default": _split_worker(ws, "mobilenetv2", "default", "adam", BATCH),
+               "budget": _split_worker(ws, "mobilenetv2", "budget", "adam", BATCH,
+                                       memory_budget=budget)}
+    if baseline:
+        started = {"baseline": _baseline_worker(ws, baseline, "mobilenetv2", "adam", BATCH),
+                   **started}
     replies = alternate({mode: w for mode, (w, _) in started.items()}, rounds, epochs)
-    row = {}
+    row = {"budget": budget, "baseline_rev": baseline, "runs": {}}
     for mode, (worker, memory) in started.items():
         final = worker.finish()
-        row[mode] = {"compute_ms_per_step": statistics.median(
+        row["runs"][mode] = {"compute_ms_per_step": statistics.median(
                          ms for r in replies[mode] for ms in r["compute_ms_per_step"]),
                      "memory": memory, "peak_mib": final["peak_kib"] / 1024,
                      "held_mib": final["held_bytes"] / 2 ** 20, "final_loss": final["final_loss"]}
@@ -621,26 +662,38 @@ def extra_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _recompute_cells(name: str, r: dict, runs: dict) -> list[str]:
+    memory = r["memory"]
+    extra, budget = memory.get("recompute", {}), memory.get("budget")
+    ratios = [f"**{r['compute_ms_per_step'] / runs[to]['compute_ms_per_step']:.2f}**"
+              for to in ("baseline", "default") if to in runs]
+    return [name, f"{r['compute_ms_per_step']:.1f}", *ratios,
+            f"{memory.get('ram', memory['total']) / 2 ** 20:.2f}", f"{r['held_mib']:.2f}",
+            f"{r['peak_mib']:.1f}", budget["text"] if budget else "all",
+            (f"{extra['extra_ops']} ops, {extra['extra_fraction']:.0%} of the forward's "
+             "multiply-adds") if extra.get("extra_ops") else "–",
+            f"{budget['scratch_tile']:,}" if budget and budget["scratch_tile"] else "–",
+            f"{r['final_loss']:.6f}"]
+
+
 def recompute_markdown(row: dict) -> str:
-    none, auto = row["none"], row["auto"]
-    mib = lambda b: f"{b / 2 ** 20:.2f}"  # noqa: E731
-    cells = [f"{r['compute_ms_per_step']:.0f}" for r in (none, auto)]
-    extra = auto["memory"]["recompute"]
+    runs, rev = row["runs"], row["baseline_rev"]
+    names = {"baseline": f"commit {rev}, default", "default": "default",
+             "budget": f"`--memory-budget {row['budget']}`"}
+    ratios = [f"ratio to {to}" for to in ("baseline", "default") if to in runs]
+    head = ["split", "compute ms/step", *ratios, "planned RAM MiB", "held MiB", "peak RSS MiB",
+            "trains", "recomputed", "scratch tile (bytes)", "final loss"]
     return "\n".join([
-        "", "Recomputation, MobileNetV2 (α 0.35, 32×32), every layer, Adam, batch 32, fp32: "
-            "`trainconf split --recompute none` against `auto`, the two alternating in fresh "
-            "processes; compute ms/step (forward + backward + update), the planned arena and "
-            "peak (MiB), the trainer's held arrays (= planned) and the whole-process peak RSS:",
-        "", "| recompute | compute ms/step | ratio | arena | planned peak | held | peak RSS | "
-            "extra forward work | final loss |", "|---|---|---|---|---|---|---|---|---|"] + [
-        f"| {mode} | {cell} | {r['compute_ms_per_step'] / none['compute_ms_per_step']:.2f} | "
-        f"{mib(r['memory']['arena'])} | {mib(r['memory']['total'])} | {r['held_mib']:.2f} | "
-        f"{r['peak_mib']:.1f} | "
-        + (f"{r['memory']['recompute']['extra_ops']} ops, "
-           f"{r['memory']['recompute']['extra_fraction']:.0%} of the forward's multiply-adds"
-           if r['memory']['recompute']['extra_ops'] else "–")
-        + f" | {r['final_loss']:.6f} |" for mode, r, cell in zip(("none", "auto"), (none, auto), cells)]
-        + ([] if extra["extra_ops"] else ["", "(auto chose no recomputation)"])) + "\n"
+        "", "MobileNetV2 (α 0.35, 32×32), Adam, batch 32, fp32: the default split (every layer) "
+            f"against `trainconf split --memory-budget {row['budget']}`"
+            + (f" and commit {rev}'s default split trained by its own code" if rev else "")
+            + ", alternating in fresh processes; compute ms/step (forward + backward + update), "
+              "the planned RAM (for the baseline its planned total, which counted the model "
+              "files as RAM), the trainer's held arrays (= planned) and the whole-process peak RSS; the budget's "
+              "scratch tile is its compact kernels' (– : the fastest layouts):", "",
+        "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        + ["| " + " | ".join(_recompute_cells(names[m], runs[m], runs)) + " |"
+           for m in names if m in runs]) + "\n"
 
 
 def _write(path: Path | None, text: str) -> None:
@@ -683,7 +736,13 @@ def _check_models(ctx, param, value: str) -> list[str]:
                    "MobileNetV2 memory targets), not the comparison with onert.")
 @click.option("--recompute-only", is_flag=True,
               help="Only the recomputation table (MobileNetV2, every layer, Adam, batch 32: "
-                   "--recompute none against auto).")
+                   "the default split against one for --budget).")
+@click.option("--budget", default=RECOMPUTE_BUDGET, show_default=True,
+              help="The recomputation table's --memory-budget.")
+@click.option("--baseline-rev", default=None,
+              help="Also train, in the recomputation table's alternation, the default split "
+                   "of this commit's trainconf with this commit's microtrain (a source tree "
+                   "of it from git archive), so that both ratios come from one run.")
 @click.option("--profile", is_flag=True,
               help="After the table, print a cProfile of one microtrain epoch (top 10 by "
                    "cumulative and by own time) for every row where microtrain is slower "
@@ -693,7 +752,7 @@ def _check_models(ctx, param, value: str) -> list[str]:
 @click.option("--tf-python", default=TF_PYTHON, show_default=True,
               help="Interpreter with TensorFlow and Keras 3, for the sequence rows.")
 def main(models, rounds, epochs, quick, markdown_path, json_path, precision_only, profile,
-         threads, tf_python, recompute_only):
+         threads, tf_python, recompute_only, budget, baseline_rev):
     rounds = rounds or (1 if quick else 5)
     epochs = epochs or (2 if quick else 3)
     start = time.perf_counter()
@@ -724,7 +783,7 @@ def main(models, rounds, epochs, quick, markdown_path, json_path, precision_only
         if "mobilenetv2" in models:
             report["memory_targets"] = memory_targets(ws, rounds)
         if recompute_only:
-            report["recompute"] = recompute_row(ws, rounds, epochs)
+            report["recompute"] = recompute_row(ws, rounds, epochs, budget, baseline_rev)
     report["elapsed_s"] = time.perf_counter() - start
     report["load_average"]["end"] = os.getloadavg()[0]  # other work on the machine skews times
     load = report["load_average"]

@@ -5,9 +5,10 @@ pretrained in Keras on scikit-learn's 8x8 digits of classes 0-4 (each pixel a 4x
 three channels; the split of scripts/lora_table.py), converted with TFLiteConverter (its
 BatchNorms folded into biases), then fine-tuned with microtrain on all ten classes under each
 `--trainable` scheme (Adam, batch 32, lr 5e-3, 4 epochs).  Reported: the trained parameters,
-the planned RAM of a training step (with --compact-scratch, as a budget plans) at batch 1
-with SGD (issue 20's setting; the bytes of the files read in place beside it) and at the
-fine-tuning's batch 32 with Adam, and the test accuracy before and after fine-tuning.
+the planned RAM of a training step (with --compact-scratch, as a budget chooses what trains)
+of a split for batch 1 with SGD (issue 20's setting; the bytes of the files read in place
+beside it) and of one for the fine-tuning's batch 32 with Adam, and the test accuracy before
+and after fine-tuning.
 
     python scripts/sparse_table.py --out /tmp/sparse_table --tf-python /opt/venvs/tf/bin/python
 """
@@ -53,12 +54,14 @@ def pretrain(path: Path) -> None:
 
 
 def finetune(model: Path, out: Path, scheme: str, data) -> dict:
-    from microtrain.format.model import load_model
     from microtrain.trainer import Trainer
-    from trainconf.inspect import planned_memory
     from trainconf.split import split
-    result = split(model, out, scheme, batch_size=BATCH, optimizer="adam", force=True,
-                   compact_scratch=True)  # as --memory-budget plans
+
+    def planned(folder: Path, batch: int, optimizer: str):  # as a budget chooses what trains
+        return split(model, folder, scheme, batch_size=batch, optimizer=optimizer, force=True,
+                     compact_scratch=True)
+    result = planned(out, BATCH, "adam")
+    small = planned(out / "batch1", 1, "sgd").memory  # its fused tiles are batch 1's
     x, y, x_test, y_test = data
     onehot = np.eye(CLASSES, dtype=np.float32)
     trainer = Trainer(result.frozen, batch_size=BATCH, optimizer="adam",
@@ -66,7 +69,6 @@ def finetune(model: Path, out: Path, scheme: str, data) -> dict:
     before = trainer.evaluate([x_test], [onehot[y_test]])["accuracy"]
     trainer.fit([x], [onehot[y]], epochs=FINETUNE_EPOCHS, seed=SEED)
     after = trainer.evaluate([x_test], [onehot[y_test]])["accuracy"]
-    small = planned_memory(result.frozen, load_model(result.frozen), 1, "sgd")
     return {"parameters": sum(p["parameters"] for p in result.trainable),
             "sgd1": small["ram"], "read_only": small["read_only"],
             "adam32": result.memory["ram"], "before": before, "after": after}

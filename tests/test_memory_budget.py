@@ -12,13 +12,12 @@ from click.testing import CliRunner
 
 from microtrain.format.wof import read_wof
 from microtrain.format.model import load_model
-from microtrain.kernels.workspace import tile_bytes
 from microtrain.trainer import Trainer
 from test_memory_plan import DATA, data
 from trainconf.budget import Choice, parse_size, smallest
 from trainconf.cli import main
 from trainconf.select import layers, weighted_ops
-from trainconf.split import build, load_prepared, resolve_precision, split
+from trainconf.split import budget_tiles, build, load_prepared, resolve_precision, split
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TYPES = resolve_precision()
@@ -48,7 +47,7 @@ def peak_of(model: str, choice: Choice | None, batch: int, optimizer: str, types
     choice = choice or smallest(g, groups)
     built = build(path, lambda graph: choice.choose(graph, groups), None, "mean", types, batch,
                   scheme=choice.scheme(len(groups)),  # recorded in the frozen model: its bytes
-                  scratch_tile=tile_bytes(batch))  # as a budget's split
+                  tiles=budget_tiles(batch, False)[-1])  # as a budget chooses what trains
     return built.peak(batch, optimizer)["ram"]
 
 
@@ -81,6 +80,34 @@ def test_everything_trains_when_it_fits(tmp_path):
     result = split(FIXTURES / "cnn.tflite", tmp_path, memory_budget=whole.memory["ram"])
     assert result.trainable == whole.trainable
     assert {d["part"] for d in result.memory["budget"]["trains"]} == {"all"}
+
+
+def test_a_budget_takes_the_fastest_kernels_that_fit(tmp_path):
+    """What trains is chosen with the leanest tiles; it trains with the fastest that
+    fit: the kernels' fastest layouts when everything fits them, compact ones
+    only when asked for."""
+    whole = split(FIXTURES / "cnn.tflite", tmp_path / "all").memory["ram"]
+    roomy = split(FIXTURES / "cnn.tflite", tmp_path / "roomy", memory_budget=whole)
+    compact = split(FIXTURES / "cnn.tflite", tmp_path / "compact", memory_budget=whole,
+                    compact_scratch=True)
+    assert roomy.memory["ram"] == whole and roomy.memory["budget"]["scratch_tile"] is None
+    assert compact.memory["budget"]["scratch_tile"] is not None
+    assert compact.memory["ram"] <= whole and compact.memory["budget"]["scheme"] == "all"
+
+
+def test_a_budget_with_a_trainable_set_chooses_only_how(tmp_path):
+    """--trainable with --memory-budget trains that set, with the tiles and the
+    recomputation that fit; a budget it cannot fit is refused in one line."""
+    given = split(FIXTURES / "cnn.tflite", tmp_path / "given", trainable="last:2")
+    leanest = split(FIXTURES / "cnn.tflite", tmp_path / "lean", trainable="last:2",
+                    compact_scratch=True, recompute="auto").memory["ram"]
+    fitted = split(FIXTURES / "cnn.tflite", tmp_path / "fitted", trainable="last:2",
+                   memory_budget=leanest)
+    assert fitted.trainable == given.trainable and fitted.memory["ram"] <= leanest
+    with pytest.raises(Exception, match=r"--memory-budget \d+ bytes: --trainable last:2 needs "
+                                        r"at least \d+ bytes at batch 32 with adam$"):
+        split(FIXTURES / "cnn.tflite", tmp_path / "small", trainable="last:2",
+              memory_budget=leanest // 2)
 
 
 def test_bias_only(tmp_path):
@@ -163,7 +190,8 @@ def test_cli_prints_the_choice_and_its_peak(tmp_path):
     (["--memory-budget", "1KiB"], "--memory-budget 1024 bytes: even the smallest trainable set "
                                   r"\(biases:last:1\) needs \d+ bytes at batch 32 with adam"),
     (["--memory-budget", "64Q"], "--memory-budget '64Q' is not a size"),
-    (["--memory-budget", "1MB", "--trainable", "last:1"], "--memory-budget chooses what trains"),
+    (["--memory-budget", "20KB", "--trainable", "all"],
+     r"--memory-budget 20000 bytes: --trainable all needs at least \d+ bytes at batch 32"),
 ])
 def test_cli_errors(tmp_path, args, message):
     run = invoke("split", FIXTURES / "mlp.tflite", "-o", tmp_path, *args)

@@ -19,6 +19,7 @@ from microtrain.contracts import TrainingMeta
 from microtrain.errors import UserError
 from microtrain.format.model import get_metadata, load_model, model_to_bytes, set_metadata
 from microtrain.graph import concrete_shape
+from microtrain.kernels import OVERWRITES
 from microtrain.run_config import DIVERGENCE_SNAPSHOTS
 from microtrain.trainer import Trainer
 from trainconf.cli import main
@@ -111,6 +112,9 @@ def replay(art, batch: int) -> int:
             outs = [key(graph, t) for t in op.outputs]
             in_place = op.type in ("RESHAPE", "SQUEEZE") and outs[0] in ranges and \
                 ranges[outs[0]] == ranges.get(ins[0])
+            if op.type in OVERWRITES and outs[0] in ranges and ranges[outs[0]] == ranges.get(ins[0]):
+                lives[version[ins[0]]][1] = step - 1  # its bytes are the output's now: a
+                # later read of it finds the output's write and fails
             for k in outs:
                 write(k, step, ins[0] if in_place else None)
     for k in [("forward", t) for t in art.forward.outputs] + \
@@ -537,8 +541,9 @@ def test_a_fused_gradient_is_the_whole_products_rows(splits, tmp_path, model, ba
     """A gradient computed a tile of rows at a time (the plan's `fused`), each
     tile updated as it is complete, equals the whole product's (each row's sum
     is the same sum; BLAS may block it otherwise, so within a float32 rounding),
-    in the gradients and in the weights after training."""
-    frozen = splits(model).frozen
+    in the gradients and in the weights after training.  Planned at batch 1
+    (the smallest tiles: fused_tile), run at any batch."""
+    frozen = splits(model, batch_size=1).frozen
     assert load_artifacts(frozen).links.memory.fused
     x, t = data(model, 2 * batch)
     runs = []
@@ -582,7 +587,7 @@ def test_the_plan_holds_every_gradient_where_a_step_needs_them(splits, run, reor
     not fused) holds a tile of rows no larger than that one."""
     result = splits("mobilenetv2", trainable="all")
     built = load_artifacts(result.frozen)
-    from trainconf.memory import FUSED_TILE, peak
+    from trainconf.memory import fused_tile, peak
     memory = peak(built, 1, "sgd", {"frozen": 0, "wof": 0, "backprop": 0}, **run)
     all_gradients = 4 * sum(w.size for w in built.weights.values())
     weight_of, fused = dict(built.links.gradients), dict(built.links.memory.fused)
@@ -591,8 +596,8 @@ def test_the_plan_holds_every_gradient_where_a_step_needs_them(splits, run, reor
                                              if w.ndim > 1 and w.size > whole
                                              and w.shape[1:3] != (3, 3)}
     tiles = {g: fused[g] * built.weights[weight_of[g]][0].size for g in fused}
-    assert all(n <= max(whole, FUSED_TILE) or fused[g] == 1 for g, n in tiles.items())
-    largest = 4 * whole  # a 3x3 depthwise kernel's gradient
+    assert all(n <= max(whole, fused_tile(32)) or fused[g] == 1 for g, n in tiles.items())
+    largest = 4 * max(whole, *tiles.values())  # the split's batch 32 takes 16384-element tiles
     assert memory["gradients_reordered"] is reordered
     assert memory["gradients"] == (largest if reordered else all_gradients) + \
         (all_gradients if run.get("accum_steps") else 0)
@@ -608,7 +613,8 @@ def test_the_plan_holds_every_gradient_where_a_step_needs_them(splits, run, reor
      r"memory plan: fused tensor \d+ is no weight gradient"),
 ])
 def test_a_damaged_gradient_plan_is_refused(splits, tmp_path, change, error):
-    frozen = edit_plan(splits("mlp").frozen, tmp_path, lambda meta: change(meta["memory"]))
+    frozen = edit_plan(splits("mlp", batch_size=1).frozen,  # batch 1: a fused gradient
+                       tmp_path, lambda meta: change(meta["memory"]))
     x, t = data("mlp", 4)
     with pytest.raises(UserError, match=error):
         Trainer(frozen, batch_size=4).gradients([x], [t])

@@ -146,13 +146,16 @@ def _conv_specs():
 GEMMS = {"CONV_2D", "Conv2DWeightGrad"}  # BLAS rounds a product of fewer rows differently
 
 
-@pytest.mark.parametrize("tile", [TILE_BYTES, 1])
+@pytest.mark.parametrize("tile", [TILE_BYTES, 4096, 1])
 def test_a_compact_workspace_gives_the_same_results_with_less_scratch(tile):
-    """Kernels built over a compact workspace (no padded copies or index arrays,
-    scalar clip bounds, convolutions a tile of output rows at a time; tile_bytes
-    1: one row a tile) give the results of the others, bit for bit, and need
-    less of the workspace; but for the products of window matrices in several
-    tiles, which BLAS rounds differently: the same within rounding."""
+    """Kernels built over a compact workspace (no index arrays, scalar clip
+    bounds, depthwise convolutions over padded copies of as many images as a
+    tile holds (4096: one image a chunk) or else without padded copies, a tile of
+    output rows at a time (tile_bytes 1: one row a tile), convolutions a tile of
+    output rows at a time) give the results of the others, bit for bit, and with
+    tiles smaller than an image need less of the workspace; but for the products
+    of window matrices in several tiles, which BLAS rounds differently: the same
+    within rounding."""
     specs, rng = _specs() + _depthwise_specs() + _conv_specs(), np.random.default_rng(1)
     fast, small = _arrays(specs, rng), _arrays(specs, rng)
     ws, compact = Workspace(), Workspace(tile=tile)
@@ -171,7 +174,7 @@ def test_a_compact_workspace_gives_the_same_results_with_less_scratch(tile):
                 np.testing.assert_array_equal(a, b, err_msg=f"{name} {opts}")
     depthwise = _depthwise_specs()
     needs = []
-    for workspace in (Workspace(), Workspace(tile=TILE_BYTES)):
+    for workspace in (Workspace(), Workspace(tile=1)):
         _closures(depthwise, _arrays(depthwise, rng), workspace)
         needs.append(workspace.need)
     assert needs[1] < needs[0]

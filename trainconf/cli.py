@@ -147,11 +147,13 @@ def parameters_text(report: dict) -> str:
               help="Choose what trains so that the planned peak RAM fits SIZE (bytes, or "
                    "e.g. 64KiB, 1.5MB; the model files, read in place, are not RAM): the most "
                    "whole layers from the output, then the biases of as many layers as fit, "
-                   "then output channels of the next layer. Replaces "
-                   "--trainable.")
+                   "then output channels of the next layer (chosen with the leanest kernels), "
+                   "trained with the fastest kernel tiles that fit. With --trainable, that set "
+                   "trains, with the fastest tiles and the least recomputation that fit.")
 @click.option("--compact-scratch", is_flag=True,
               help="The kernels bound their scratch memory (no index arrays or constants the "
-                   "size of an activation), at some cost in speed; implied by --memory-budget.")
+                   "size of an activation), at some cost in speed; with --memory-budget, only "
+                   "such kernels are tried (by default it tries the fastest first).")
 @click.option("--recompute", type=click.Choice(RECOMPUTE_MODES),
               help="auto: drop forward activations after the forward pass and recompute them "
                    "in the backward pass from kept ones where that lowers the planned peak "

@@ -31,7 +31,7 @@ from microtrain.format.wof import placement
 from microtrain.precision import dtype_of, reduced
 from microtrain.precision import storage as runtime_dtype
 from microtrain.graph import Graph, batched, concrete_shape, symbolic_batch
-from microtrain.kernels import IN_PLACE
+from microtrain.kernels import IN_PLACE, OVERWRITES
 from microtrain.kernels.workspace import sharing
 from microtrain.lazy import DEFAULT_EMBEDDING_UPDATE, RowGrad, RowSum, lazy_tables, row_gradients
 from microtrain.loss_scale import DEFAULT_LOSS_SCALE, LossScale, make_loss_scale
@@ -130,22 +130,33 @@ def _step_tensors(fwd: Graph, bp: Graph, links: GraphLinks, trainable: list[int]
 
 
 def _in_place(graphs: dict, steps: _Steps, planned: set) -> dict:
-    """Key -> the key whose memory it shares: outputs of copies (RESHAPE) share
-    their input's memory when both are planned, of the same type and region."""
+    """Key -> the key whose memory it shares, when both are planned, of the same
+    type and size: the outputs of copies (RESHAPE) share their input's memory,
+    and the output of a kernel that may write over its first input (OVERWRITES:
+    an activation's gradient) takes that input's memory when no later step reads
+    the input (nor anything sharing its memory)."""
     root: dict = {}
+    last = dict(steps.last)  # of each group, by its root
 
     def find(k):
         while k in root:
             k = root[k]
         return k
-    for graph, g in graphs.items():
+    step = 0
+    for graph, g in graphs.items():  # forward, then backprop: the steps' order
         for op in g.ops:
-            if op.type not in IN_PLACE:
+            step += 1
+            if op.type not in IN_PLACE | OVERWRITES:
                 continue
             x, y = steps.key(graph, op.inputs[0]), steps.key(graph, op.outputs[0])
             tx, ty = graphs[x[0]].tensors[x[1]], graphs[y[0]].tensors[y[1]]
-            if {x, y} <= planned and tx.dtype == ty.dtype and _runtime_size(tx) == _runtime_size(ty):
-                root[y] = find(x)
+            if not ({x, y} <= planned and tx.dtype == ty.dtype
+                    and _runtime_size(tx) == _runtime_size(ty)):
+                continue
+            rx = find(x)
+            if op.type in IN_PLACE or last.get(rx) == step:
+                root[y] = rx
+                last[rx] = max(last.get(rx, step), last.get(y, step))
     return {k: find(k) for k in root}
 
 
@@ -211,12 +222,13 @@ def update_points(bp: Graph, links: GraphLinks) -> dict[int, int]:
     return point
 
 
-def plan_gradients(bp: Graph, links: GraphLinks) -> dict:
+def plan_gradients(bp: Graph, links: GraphLinks, fused_least: int) -> dict:
     """The gradient buffer of a step whose weights update as soon as their
     gradients are complete: each gradient lives from its first write to its
     update, and gradients whose lives do not overlap share bytes.  A table's
     gradient that may be held as its touched rows (lazy.row_gradients) is left
-    out, as is one no operator writes: they keep arrays of their own."""
+    out, as is one no operator writes: they keep arrays of their own.  Fused
+    gradients take tiles of at least `fused_least` elements (fused_rows)."""
     points = update_points(bp, links)
     first: dict = {}
     for op in bp.ops:
@@ -224,7 +236,7 @@ def plan_gradients(bp: Graph, links: GraphLinks) -> dict:
             first.setdefault(t, op.index)
     lazy = row_gradients(bp, links)
     planned = [g for g, _ in links.gradients if g in first and g not in lazy]
-    fused = fused_rows(bp, points, planned)
+    fused = fused_rows(bp, points, planned, fused_least)
     region = [Need([("backprop", g)], _aligned(4 * fused.get(g, bp.tensors[g].shape[0])
                                                * prod(bp.tensors[g].shape[1:])), False,
                    first[g], points[g]) for g in planned]
@@ -234,15 +246,26 @@ def plan_gradients(bp: Graph, links: GraphLinks) -> dict:
         "fused": sorted(fused.items())}
 
 
-FUSED_TILE = 1024  # least elements of a fused weight gradient's tile (4 KiB), at least one row
+FUSED_TILE = 1024  # elements of a fused weight gradient's tile a sample of the batch (4 KiB)
 
 
-def fused_rows(bp: Graph, points: dict[int, int], planned: list[int]) -> dict[int, int]:
+def fused_tile(batch: int) -> int:
+    """The least elements of a fused gradient's tile for steps of `batch`
+    samples: FUSED_TILE a sample, at most the optimizer's tile (its update runs
+    a tile at a time anyway).  Each tile costs a product and an update call
+    whatever the batch, so a large batch, whose gradient buffer is small beside
+    its activations, takes few tiles (MobileNetV2-0.35, Adam, batch 32: 270
+    tiles of 1024 elements cost 1.09x the step time), batch 1 small ones."""
+    return min(TILE, FUSED_TILE * batch)
+
+
+def fused_rows(bp: Graph, points: dict[int, int], planned: list[int],
+               least: int) -> dict[int, int]:
     """Planned weight gradient -> rows (output channels) per tile, for each
     gradient computed and applied a tile at a time (fused with its update): one
     ROW_GRADS operator writes it, in float32, and its update runs right after
     that operator (nothing later reads the gradient or the weight).  A tile
-    holds FUSED_TILE elements or as many as the largest gradient not fused
+    holds `least` elements or as many as the largest gradient not fused
     (the buffer holds that one anyway: smaller tiles would only add steps);
     a gradient no larger than a tile is not fused."""
     writers: dict = {}
@@ -257,7 +280,7 @@ def fused_rows(bp: Graph, points: dict[int, int], planned: list[int]) -> dict[in
                 if t >= 0):
             fusable.add(g)
     size = {g: prod(bp.tensors[g].shape) for g in planned}
-    tile = max([FUSED_TILE] + [size[g] for g in planned if g not in fusable])
+    tile = max([least] + [size[g] for g in planned if g not in fusable])
     return {g: max(1, tile // prod(bp.tensors[g].shape[1:])) for g in fusable if size[g] > tile}
 
 
@@ -268,8 +291,11 @@ def regions(all_needs: list[Need]) -> tuple[tuple, tuple]:
     return (fixed, *pack(fixed)), (batch, *pack(batch))
 
 
-def plan_memory(fwd: Graph, bp: Graph, links: GraphLinks, trainable: list[int]) -> MemoryPlan:
-    """The arena layout (schemas/memory.md); `kernel_scratch` is added by `measure_scratch`."""
+def plan_memory(fwd: Graph, bp: Graph, links: GraphLinks, trainable: list[int],
+                fused_least: int) -> MemoryPlan:
+    """The arena layout (schemas/memory.md) and the gradient buffer, fused
+    gradients in tiles of at least `fused_least` elements (fused_tile); the
+    `kernel_scratch` is added by `measure_scratch`."""
     all_needs = needs(fwd, bp, links, trainable)
     total = sum(n.size for n in all_needs)  # bounds every offset pack gives (int64 in numpy)
     if total > memory_limit():
@@ -286,7 +312,7 @@ def plan_memory(fwd: Graph, bp: Graph, links: GraphLinks, trainable: list[int]) 
     return MemoryPlan(version=MemoryPlan.VERSION, align=ALIGN, arena=(per_sample, fixed_size),
                       forward=[tuple(e) for e in sorted(entries["forward"])],
                       backprop=[tuple(e) for e in sorted(entries["backprop"])],
-                      **plan_gradients(bp, links))
+                      **plan_gradients(bp, links, fused_least))
 
 
 # -- the bytes of a whole step ------------------------------------------------------------------

@@ -93,6 +93,10 @@ class Operator:
     options: str | None = None  # its builtin options table, for the backprop graph's writer
     lowered: bool = False  # split rewrites it into operators that train (trainconf/recurrent.py)
     shape: int | None = None  # the input that is its output's shape (export restores its batch)
+    # its multiply-adds run as numpy elementwise passes, not one BLAS product: on
+    # microtrain ~10x slower each (MobileNetV2: depthwise convolutions, 15% of the
+    # forward pass's multiply-adds, take 2/3 of its time); recomputation weighs them so
+    elementwise: bool = False
 
     @property
     def forward(self) -> bool:
@@ -142,7 +146,8 @@ _ENTRIES = [
     _weighted("FULLY_CONNECTED", gradients.fully_connected, row_grad="FullyConnectedWeightGrad",
               options="FullyConnectedOptions"),
     _weighted("CONV_2D", gradients.conv_2d, row_grad="Conv2DWeightGrad", options="Conv2DOptions"),
-    _weighted("DEPTHWISE_CONV_2D", gradients.depthwise_conv_2d, options="DepthwiseConv2DOptions"),
+    _weighted("DEPTHWISE_CONV_2D", gradients.depthwise_conv_2d, options="DepthwiseConv2DOptions",
+              elementwise=True),
     Operator("TRANSPOSE_CONV", gradients.transpose_conv, weight=1, bias=3, layer=True,
              options="TransposeConvOptions"),
     Operator("Convolution2DTransposeBias", gradients.transpose_conv, weight=1, bias=2, layer=True),

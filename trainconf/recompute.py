@@ -13,7 +13,8 @@ activation dies in the forward pass, and its copy lives from its recomputation
 to its last backprop reader.
 
 The chooser minimises the planned arena (the real planner, trainconf/memory.py,
-is the cost) and, among choices of the same arena, the extra forward work.
+is the cost) and, among choices of the same arena, the extra forward work, its
+multiply-adds weighed by how fast microtrain runs them (`cost`).
 """
 from dataclasses import dataclass, replace
 from math import prod
@@ -46,6 +47,15 @@ def work(g: Graph, op: Op) -> int:
         channels = max(1, g.tensors[op.outputs[0]].shape[-1])
         return out * max(1, prod(g.tensors[op.inputs[position]].shape) // channels)
     return out
+
+
+ELEMENTWISE_COST = 10  # a multiply-add in elementwise passes takes the time of 10 in a BLAS product
+
+
+def cost(g: Graph, op: Op) -> int:
+    """work(g, op) weighed by the time microtrain takes for it: an elementwise
+    kernel's multiply-adds (the registry's `elementwise`) ELEMENTWISE_COST times."""
+    return work(g, op) * (ELEMENTWISE_COST if spec(op.type).elementwise else 1)
 
 
 def _computed(g: Graph) -> dict[int, Op]:
@@ -94,7 +104,7 @@ def _closure(g: Graph, dropped: set[int], kept: set[int]) -> list[Op]:
 @dataclass
 class Choice:
     tensors: list[int]  # the backprop tensors the copied operators write
-    work: int  # their multiply-adds per sample
+    cost: int  # their multiply-adds per sample, weighed by their kernels' speed (cost)
 
 
 def summary(art) -> dict:
@@ -139,8 +149,7 @@ def apply(g: Graph, bp: Backprop, dropped) -> tuple[Backprop, Choice]:
                       op.version))
     graph = Graph(tensors, _placed(bp.graph.ops, ops), list(linked.values()) + bp.targets,
                   bp.graph.outputs)
-    choice = Choice(sorted(made.values()),
-                    sum(work(g, op) for op in copies))
+    choice = Choice(sorted(made.values()), sum(cost(g, op) for op in copies))
     return replace(bp, graph=graph, forward_links={b: f for f, b in linked.items()}), choice
 
 
@@ -188,14 +197,14 @@ class Chooser:
         self.seen: dict = {}
 
     def cost(self, dropped: frozenset) -> tuple[int, int, int]:
-        """(arena, bytes x steps, extra work) of recomputing `dropped`."""
+        """(arena, bytes x steps, extra work's cost) of recomputing `dropped`."""
         if dropped not in self.seen:
             bp, choice = apply(self.g, self.bp, dropped)
             step = needs(self.g, bp.graph, _links(bp), self.trainable)
             (*_, fixed), (*_, per_sample) = regions(step)
             area = sum(n.size * (self.batch if n.batch else 1) * (n.last - n.first + 1)
                        for n in step)
-            self.seen[dropped] = (linear((per_sample, fixed), self.batch), area, choice.work)
+            self.seen[dropped] = (linear((per_sample, fixed), self.batch), area, choice.cost)
         return self.seen[dropped]
 
     def choose(self, target: int) -> frozenset:

@@ -29,7 +29,7 @@ from .budget import fit_budget, parse_size
 from .circle_plus import METADATA as CIRCLE_PLUS, read_circle_plus
 from .constants import resolve_constants, untie_weights
 from .batch import FixedBatch, infer_batch
-from .memory import measure_scratch, peak, plan_memory, scratch_points
+from .memory import FUSED_TILE, fused_tile, measure_scratch, peak, plan_memory, scratch_points
 from .operators import FOLDS, ROW_GRADS
 from .recompute import default_mode, recompute as recompute_backprop, summary as recompute_summary
 from .quantize import (QuantSpec, fake_quantize_weights, from_integer, prepare, record_of,
@@ -218,16 +218,18 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
     run's --loss-scale); `ignore_index` and
     `from_logits` qualify the loss (LossSpec); with `memory_budget`
     (bytes, or a size such as "64KiB") what trains is chosen so that it fits
-    (trainconf/budget.py) instead of by `trainable`.  With `lora`, low-rank
-    adapters train (trainconf/lora.py), plus what `trainable` names.  `recompute`
-    (auto or none; default: trainconf.recompute.default_mode) lets the backward
-    pass recompute forward activations instead of keeping them
+    (trainconf/budget.py), unless `trainable` (or `freeze_bias`) says it: then the
+    budget chooses only the tiles and recomputation (an error if none fits).  With
+    `lora`, low-rank adapters train (trainconf/lora.py), plus what `trainable`
+    names.  `recompute` (auto or none; default: trainconf.recompute.default_mode)
+    lets the backward pass recompute forward activations instead of keeping them
     (trainconf/recompute.py); under a budget only when training that choice
     does not fit otherwise.  `quant` trains an int8 model, or a float model,
     through fake quantization (trainconf/quantize.py).  With `compact_scratch`
-    (implied by `memory_budget`) the kernels bound their scratch memory at some
-    cost in speed, working tiles of microtrain.kernels.workspace.tile_bytes at the
-    split's batch size."""
+    the kernels bound their scratch memory at some cost in speed, working tiles of
+    microtrain.kernels.workspace.tile_bytes at the split's batch size; a budget
+    takes the fastest tiles that fit (budget_tiles; compact ones only with
+    `compact_scratch`)."""
     model_path = Path(model_path)
     check_outputs(model_path, out_dir, force)
     try:
@@ -240,41 +242,60 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
 
         mode = recompute or default_mode(memory_budget)
         planned_for = PlannedRun(make_loss_scale(loss_scale).kind, accum_steps, embedding_update)
+        made: dict = {}  # id of a Built -> (choose, scheme) it was built for
 
-        def make(choose, scheme: str,
-                 target: int | None = 0 if mode == "auto" else None) -> Built:
-            return build(model_path, choose, setup.loss, setup.reduction, types,
-                         params.batch_size, params, ignore_index, from_logits, lora, scheme,
-                         tile_bytes(params.batch_size)
-                         if compact_scratch or memory_budget is not None else None,
-                         recompute=target,
-                         quant=quant, planned_for=planned_for)
+        def make(choose, scheme: str, target: int | None = 0 if mode == "auto" else None,
+                 tiles: Tiles = Tiles(tile_bytes(params.batch_size) if compact_scratch else None,
+                                      fused_tile(params.batch_size))) -> Built:
+            built = build(model_path, choose, setup.loss, setup.reduction, types,
+                          params.batch_size, params, ignore_index, from_logits, lora, scheme,
+                          tiles, recompute=target, quant=quant, planned_for=planned_for)
+            made[id(built)] = choose, scheme
+            return built
         if lora is not None and memory_budget is not None:
             raise UserError(None, "--memory-budget chooses what trains: leave out --lora")
         budget = None
+        given = (lambda g: (select_trainable(g, setup.trainable, freeze_bias), {}),
+                 setup.trainable if isinstance(setup.trainable, str) else "")
         if lora is not None and trainable is None:
             built = make(lambda g: ([], {}), "")  # the adapters alone
         elif memory_budget is None:
-            built = make(lambda g: (select_trainable(g, setup.trainable, freeze_bias), {}),
-                         setup.trainable if isinstance(setup.trainable, str) else "")
+            built = make(*given)
         else:
-            if trainable is not None or freeze_bias:
-                raise UserError(None, "--memory-budget chooses what trains: leave out "
-                                      "--trainable and --freeze-bias")
-            graph = load_prepared(model_path, types, quant)[1]
             size = parse_size(memory_budget)
 
-            def fitting(choose, scheme: str) -> Built:  # recomputing only what the budget needs
-                built = make(choose, scheme, None)
-                memory = built.peak(params.batch_size, params.optimizer, accum_steps,
-                                    embedding_update, loss_scale)
+            def planned(built: Built) -> dict:
+                return built.peak(params.batch_size, params.optimizer, accum_steps,
+                                  embedding_update, loss_scale)
+
+            def fitting(choose, scheme: str, tiles: Tiles) -> Built:
+                """Recomputing only what the budget needs."""
+                built = make(choose, scheme, None, tiles)
+                memory = planned(built)
                 over = memory["ram"] - size
                 if mode == "none" or over <= 0:
                     return built
-                return make(choose, scheme, max(0, memory["arena"] - START_ALIGN - over))
-            built, budget = fit_budget(fitting, graph, size, params.batch_size,
-                                       params.optimizer, accum_steps, embedding_update,
-                                       loss_scale)
+                return make(choose, scheme, max(0, memory["arena"] - START_ALIGN - over), tiles)
+            ladder = budget_tiles(params.batch_size, compact_scratch)
+            if trainable is None and not freeze_bias:  # the budget chooses what trains
+                built, budget = fit_budget(lambda c, s: fitting(c, s, ladder[-1]),
+                                           load_prepared(model_path, types, quant)[1], size,
+                                           params.batch_size, params.optimizer, accum_steps,
+                                           embedding_update, loss_scale)
+            else:  # what trains is given: the budget chooses how
+                built = fitting(*given, ladder[-1])
+                if (least := planned(built)["ram"]) > size:
+                    raise UserError(None, f"--memory-budget {size} bytes: --trainable "
+                                          f"{given[1] or 'as given'} needs at least {least} "
+                                          f"bytes at batch {params.batch_size} with "
+                                          f"{params.optimizer}")
+                budget = {"bytes": size, "scheme": given[1], "text": given[1] or "as given"}
+            for tiles in ladder[:-1]:  # what trains fits the leanest: the fastest that fits
+                faster = fitting(*made[id(built)], tiles)
+                if planned(faster)["ram"] <= size:
+                    built = faster
+                    break
+            budget.update(built.tiles.summary())
         if not force:
             built_weights = {t.name: built.art.weights.get(t.index, t.data)
                              for t in built.art.forward.tensors}
@@ -320,6 +341,33 @@ def operator_outputs(g: Graph, operators: list[int]) -> set[int]:
     return {g.ops[i].outputs[0] for i in operators}
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """How finely a split's kernels work: the compact workspace's scratch tile in
+    bytes (None: the kernels' fastest layouts; microtrain.kernels.workspace) and
+    the least elements of a fused gradient's tile (trainconf.memory.fused_rows)."""
+    scratch: int | None
+    fused: int
+
+    def summary(self) -> dict:
+        return {"scratch_tile": self.scratch, "fused_tile": self.fused}
+
+
+LARGE_SCRATCH_TILE = 1 << 20  # a compact workspace's tile a budget tries first (bytes)
+
+
+def budget_tiles(batch: int, compact: bool) -> list[Tiles]:
+    """The tiles a --memory-budget tries for what it trains, the fastest first:
+    the kernels' fastest layouts (unless `compact`), then a compact workspace's
+    large tile, then its tile for `batch` (tile_bytes), then also the least fused
+    tile.  The leanest (last) chooses what trains; the first that fits trains it."""
+    lean, fused = tile_bytes(batch), fused_tile(batch)
+    ladder = [Tiles(None, fused), Tiles(LARGE_SCRATCH_TILE, fused), Tiles(lean, fused),
+              Tiles(lean, FUSED_TILE)]
+    return list(dict.fromkeys(t for t in ladder if not (compact and t.scratch is None)
+                              and (t.scratch is None or t.scratch >= lean)))
+
+
 @dataclass
 class Built:
     """The three files of one choice of trainable weights, in memory, and the
@@ -329,6 +377,7 @@ class Built:
     backprop: bytes
     art: Artifacts
     rows: dict[int, tuple[int, int]]
+    tiles: Tiles
     arena_without: int | None = None  # the arena without recomputation (bytes, as peak counts)
 
     def peak(self, batch: int, optimizer: str, accum_steps: int = 1,
@@ -360,17 +409,19 @@ def load_prepared(model_path: Path, types: dict, quant: QuantSpec = QuantSpec())
 def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
           parameters: TrainingParameters | None = None, ignore_index: int | None = None,
           from_logits: bool = False, lora: LoraSpec | None = None, scheme: str = "",
-          scratch_tile: int | None = None, recompute: int | None = None,
+          tiles: Tiles | None = None, recompute: int | None = None,
           quant: QuantSpec = QuantSpec(), planned_for: PlannedRun | None = None) -> Built:
     """Split the model at `model_path`; `choose(graph)` returns the trainable
     tensors (in execution order) and the rows {tensor: (lo, hi)} of those that
     train only some of their rows; `scheme` is the --trainable text it follows;
-    `scratch_tile` (None: not compact) is recorded for the runtime's kernels.
+    `tiles` (default: the fastest kernels, fused_tile(batch_size)): the scratch
+    tile is recorded for the runtime's kernels, the fused tile planned.
     The kernel scratch is measured at batch 1 and `batch_size`.  `parameters` are recorded for microtrain run; `lora`
     adds adapters that train beside the chosen tensors.  With `recompute` (an
     arena target in bytes, 0: the least arena) the backward pass recomputes
     the forward activations trainconf.recompute chooses; `quant` fake-quantizes;
     `planned_for` is recorded as what the memory plan assumes of the run."""
+    tiles = tiles or Tiles(None, fused_tile(batch_size))
     model, g, model_batch = load_prepared(model_path, types, quant)
     check_forward(g)
     remove_metadata(model, CIRCLE_PLUS)  # its operator indices predate the folding
@@ -399,7 +450,7 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
                             stable_logits_loss=last is not None and LOSS_KINDS[loss].logits_of == last.type,
                             ignore_index=ignore_index, from_logits=from_logits,
                             rows=dict(rows), vocab=id_inputs(g), scheme=scheme,
-                            scratch_tile=scratch_tile,
+                            scratch_tile=tiles.scratch,
                             parameters=parameters or TrainingParameters(),
                             planned_for=planned_for)
     set_metadata(model, TrainingMeta.NAME, training.to_json())
@@ -408,14 +459,14 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
         g.tensors[t].data = None
     links = _graph_links(bp, frozen_bytes)
     links.recomputed = recomputed or None
-    links.memory = plan_memory(g, bp.graph, links, weights)
+    links.memory = plan_memory(g, bp.graph, links, weights, tiles.fused)
     art = Artifacts(model_path, model_path, None, g, training, arrays, bp.graph, links)
     links.memory = replace(links.memory, kernel_scratch=tuple(measure_scratch(art, batch_size)),
                            kernel_scratch_measured_at=scratch_points(batch_size))
     backprop_model = graph_to_model(bp.graph, "microtrain backprop graph",
                                     {GraphLinks.NAME: links.to_json()})
     return Built(frozen_bytes, wof_to_bytes(len(g.tensors), arrays),
-                 seal(model_to_bytes(backprop_model)), art, rows, arena_without)
+                 seal(model_to_bytes(backprop_model)), art, rows, tiles, arena_without)
 
 
 def slice_rows(bp: Backprop, g: Graph, rows: dict, grad_dtype) -> None:

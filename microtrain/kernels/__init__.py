@@ -36,6 +36,10 @@ ROWS: dict[str, str] = {}
 # Kernels with nothing to do when their output shares its input's memory: the
 # memory planner gives both the same bytes.
 IN_PLACE: set[str] = set()
+# Kernels whose output may share their first input's memory (each element is read
+# before it is written): the planner gives the output the input's bytes when no later
+# step reads the input.
+OVERWRITES: set[str] = set()
 
 
 def in_sequence(steps: list) -> Step:
@@ -50,10 +54,12 @@ def in_sequence(steps: list) -> Step:
 
 
 def kernel(name: str, versions: tuple[int, ...] = (), rows: str | None = None,
-           in_place: bool = False, integer: bool = False) -> Callable[[Factory], Factory]:
+           in_place: bool = False, overwrites: bool = False,
+           integer: bool = False) -> Callable[[Factory], Factory]:
     """Register a kernel factory under an operator name (for only the operator
-    versions `versions`, when given), with how it treats batch rows and
-    whether it runs in place (above); `integer`: its form on quantized tensors."""
+    versions `versions`, when given), with how it treats batch rows, whether it
+    runs in place and whether it may write over its first input (above);
+    `integer`: its form on quantized tensors."""
     def register(factory: Factory) -> Factory:
         registry = INTEGER_KERNELS if integer else KERNELS
         if name in registry:
@@ -65,6 +71,8 @@ def kernel(name: str, versions: tuple[int, ...] = (), rows: str | None = None,
             ROWS[name] = rows
         if in_place:
             IN_PLACE.add(name)
+        if overwrites:
+            OVERWRITES.add(name)
         return factory
     return register
 

@@ -278,13 +278,16 @@ def _slope_grad(dy, y, dx, slope):
 
 
 def _leaky_relu_grad(dy, y, dx, alpha):
-    """dx = dy where y > 0 else alpha*dy (y > 0 exactly where x > 0, as alpha >= 0)."""
-    positive, zero = scratch(y.shape, bool), constant(y, 0)
+    """dx = dy where y > 0 else alpha*dy (y > 0 exactly where x > 0, as alpha >= 0),
+    as dy times a slope of 1 or alpha (dy * 1 is dy exactly)."""
+    positive, slope, zero = scratch(y.shape, bool), scratch(y.shape, dy.dtype), constant(y, 0)
+    low = dy.dtype.type(alpha)
 
     def step():
         np.greater(y, zero, out=positive)
-        np.multiply(dy, alpha, out=dx)
-        np.copyto(dx, dy, where=positive)
+        slope.fill(low)
+        np.copyto(slope, 1, where=positive)
+        np.multiply(dy, slope, out=dx)
     return step
 
 
@@ -312,10 +315,11 @@ _SLOPES = {"tanh": _tanh_slope, "logistic": _logistic_slope, "elu": _elu_slope,
            "sqrt": _sqrt_slope, "rsqrt": _rsqrt_slope}
 
 
-@kernel("ActivationGrad", rows="each")
+@kernel("ActivationGrad", rows="each", overwrites=True)
 def activation_grad(inputs, outputs, activation="relu", alpha=0.0, **_):
-    """dX of an activation from dY and the activation's OUTPUT Y; elementwise,
-    so in a compact workspace a tile at a time (its masks or slopes a tile's)."""
+    """dX of an activation from dY and the activation's OUTPUT Y; elementwise
+    (dX may be dY's memory), so in a compact workspace a tile at a time (its
+    masks or slopes a tile's)."""
     (dy, y), (dx,) = inputs, outputs
     if not compact():
         return _activation_grad(dy, y, dx, activation, alpha)

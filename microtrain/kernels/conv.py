@@ -11,9 +11,9 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ..errors import OperatorError
-from . import kernel
+from . import in_sequence, kernel
 from .activations import noop, then_activate
-from .workspace import compact, kept, row_tiles, scratch
+from .workspace import compact, in_turn, kept, row_tile_bytes, row_tiles, scratch
 
 SAME, VALID = 0, 1
 
@@ -352,6 +352,24 @@ def _depthwise(image, out, w, opts):
     return win, rows, refresh, out.reshape(*out.shape[:3], *taps.shape[2:])
 
 
+def _image_chunks(image, out, k_hw) -> list[slice] | None:
+    """For a compact workspace, the batch of `image` (giving `out`, kernel
+    `k_hw`) in chunks of whole images whose padded copy and products fit the
+    workspace's tile, so that a kernel's fast padded form runs a chunk at a time
+    (few numpy calls, the same numbers); None when one image's do not fit."""
+    (kh, kw), (_, h, w, c) = k_hw, image.shape  # a padded image: at most k - 1 more a side
+    per_image = (h + kh - 1) * (w + kw - 1) * c * image.itemsize + out[0].nbytes
+    if per_image > row_tile_bytes():
+        return None
+    return [slice(t.start, t.stop) for t in row_tiles(image.shape[0], per_image)]
+
+
+def _chunked(chunks: list[slice], make, *arrays):
+    """One step running make(*(a[chunk] for a in arrays)) for each chunk, the
+    chunks' scratch laid out from the same start (they run one after another)."""
+    return in_sequence(in_turn([lambda c=c: make(*(a[c] for a in arrays)) for c in chunks]))
+
+
 @kernel("DEPTHWISE_CONV_2D", rows="each")
 def depthwise_conv_2d(inputs, outputs, fused_activation_function=0, **opts):
     """y[n,i,j,c*M+m] = act(b[c*M+m] + sum_{p,q} xpad[n, i*sh + p*dh, j*sw + q*dw, c] * w[0,p,q,c*M+m]),
@@ -359,7 +377,15 @@ def depthwise_conv_2d(inputs, outputs, fused_activation_function=0, **opts):
     x, w, b = (*inputs, None)[:3]  # the bias may be None or left off
     (y,) = outputs
     if compact():
-        return then_activate(_depthwise_in_place(x, y, w, b, opts), fused_activation_function, y)
+        chunks = _image_chunks(x, y, w.shape[1:3])
+        step = _depthwise_in_place(x, y, w, b, opts) if chunks is None else \
+            _chunked(chunks, lambda xc, yc: _depthwise_padded(xc, yc, w, b, opts), x, y)
+        return then_activate(step, fused_activation_function, y)
+    return then_activate(_depthwise_padded(x, y, w, b, opts), fused_activation_function, y)
+
+
+def _depthwise_padded(x, y, w, b, opts):
+    """DEPTHWISE_CONV_2D without its activation, over a padded copy of x."""
     win, rows, refresh, y5 = _depthwise(x, y, w, opts)
     pixels = [tap[..., None] for tap in win.taps]
     prod = scratch(y5.shape, y.dtype)
@@ -373,7 +399,7 @@ def depthwise_conv_2d(inputs, outputs, fused_activation_function=0, **opts):
             np.multiply(pixels[k], rows[k], out=prod)
             np.add(y5, prod, out=y5)
         add_bias()
-    return then_activate(step, fused_activation_function, y)
+    return step
 
 
 def _depthwise_in_place(x, y, w, b, opts):
@@ -407,7 +433,15 @@ def depthwise_conv_2d_input_grad(inputs, outputs, **opts):
     dy, w = inputs
     (dx,) = outputs
     if compact():
-        return _depthwise_input_grad_in_place(dy, dx, w, opts)
+        chunks = _image_chunks(dx, dy, w.shape[1:3])
+        return _depthwise_input_grad_in_place(dy, dx, w, opts) if chunks is None else \
+            _chunked(chunks, lambda dyc, dxc: _depthwise_input_grad_padded(dyc, dxc, w, opts),
+                     dy, dx)
+    return _depthwise_input_grad_padded(dy, dx, w, opts)
+
+
+def _depthwise_input_grad_padded(dy, dx, w, opts):
+    """DepthwiseConv2DInputGrad over a padded buffer of dx."""
     win, rows, refresh, dy5 = _depthwise(dx, dy, w, opts)
     prod = scratch(dy5.shape, dy.dtype)
     per_m = [prod[..., m] for m in range(rows.shape[3])]

@@ -14,8 +14,9 @@ other batch sizes can share it, comes from `kept`.  Without a workspace in use
 a memory budget) asks factories to trade speed for less memory (`compact()`):
 no index arrays or pre-broadcast constants the size of an activation, and
 convolutions' window matrices filled and multiplied a tile of output rows at a
-time (`row_tiles`, tiles of the workspace's `tile` bytes), so that the scratch
-does not grow with the batch.
+time (`row_tiles`, tiles of the workspace's `tile` bytes; depthwise ones as many
+whole images at a time as a tile holds), so that the scratch does not grow with
+the batch.
 """
 import mmap
 from contextlib import contextmanager
@@ -141,11 +142,16 @@ def scratch(shape, dtype) -> np.ndarray:
     return np.empty(shape, dtype) if workspace is None else workspace.take(tuple(shape), dtype)
 
 
+def row_tile_bytes() -> int:
+    """The bytes of the compact workspace's tiles (TILE_BYTES without one)."""
+    workspace = _IN_USE.get()
+    return workspace.tile if workspace is not None and workspace.tile else TILE_BYTES
+
+
 def row_tiles(rows: int, row_bytes: int) -> list[range]:
     """`rows` rows split into consecutive tiles of about equal height, each of at
     most the compact workspace's tile bytes (one row if a row is larger)."""
-    workspace = _IN_USE.get()
-    tile = workspace.tile if workspace is not None and workspace.tile else TILE_BYTES
+    tile = row_tile_bytes()
     count = -(-rows // max(1, tile // max(row_bytes, 1)))
     bounds = [rows * i // count for i in range(count + 1)]
     return [range(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
