@@ -647,9 +647,15 @@ def test_a_run_other_than_planned_says_so_in_one_line(tmp_path):
     from microtrain.contracts import PlannedRun
     result = split(FIXTURES / "mlp.tflite", tmp_path, loss_scale="128", accum_steps=2)
     assert load_artifacts(result.frozen).training.planned_for == PlannedRun("static", 2, "dense")
-    inspected = CliRunner().invoke(main, ["inspect", str(result.frozen), "--json"])
-    assert json.loads(inspected.stdout)["trainable"]["planned_for"] == \
+    inspected = json.loads(CliRunner().invoke(main, ["inspect", str(result.frozen),
+                                                      "--json"]).stdout)
+    assert inspected["trainable"]["planned_for"] == \
         {"loss_scale": "static", "accum_steps": 2, "embedding_update": "dense"}
+    # inspect estimates what the split planned, unless told otherwise
+    assert inspected["memory"]["ram"] == result.memory["ram"]
+    other_plan = json.loads(CliRunner().invoke(main, ["inspect", str(result.frozen), "--json",
+                                                      "--accum-steps", "1"]).stdout)
+    assert other_plan["memory"]["ram"] < result.memory["ram"]
     as_planned = _run(result.frozen, "--loss-scale", "512", "--accum-steps", "2")
     assert as_planned.exit_code == 0 and as_planned.stderr == ""
     other = _run(result.frozen, "--accum-steps", "1")

@@ -3,6 +3,7 @@ over the Python API that does the work."""
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from microtrain.cli_common import (FORCE_OPTION, WAIT_OPTION, CommandGroup,
                                    divergence_snapshot_option, embedding_update_option,
@@ -78,11 +79,14 @@ def inspect_command(model: Path, as_json: bool, optimizer: str | None, batch_siz
     """Show MODEL (.circle or .tflite): subgraphs, inputs and outputs (with a
     dynamic or fixed batch), every operator, constant tensors and totals; for a
     STEM.frozen.circle beside its .wof and backprop graph, the planned peak
-    memory of a training step."""
+    memory of a training step (--accum-steps, --embedding-update and --loss-scale
+    not given: as the split's plan assumed them)."""
     loaded = load_model(model)
     desc = describe(loaded)
-    memory = planned_memory(model, loaded, batch_size, optimizer, accum_steps, embedding_update,
-                            divergence_snapshot, loss_scale)
+    given = _given(accum_steps=accum_steps, embedding_update=embedding_update,
+                   loss_scale=loss_scale)
+    memory = planned_memory(model, loaded, batch_size, optimizer, divergence_snapshot=
+                            divergence_snapshot, **given)
     if memory:
         desc["memory"] = memory
     trains = trained(model, loaded)
@@ -92,6 +96,13 @@ def inspect_command(model: Path, as_json: bool, optimizer: str | None, batch_siz
         print_json(desc)
     else:
         click.echo(render_text(desc))
+
+
+def _given(**values) -> dict:
+    """`values` of the current command's options, None for those left at their default."""
+    ctx = click.get_current_context()
+    return {name: None if ctx.get_parameter_source(name) is ParameterSource.DEFAULT else value
+            for name, value in values.items()}
 
 
 def parameters_text(report: dict) -> str:

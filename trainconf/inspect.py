@@ -4,11 +4,11 @@ from pathlib import Path
 import numpy as np
 
 from microtrain.artifacts import TRAINING_META, load_artifacts, sibling
-from microtrain.contracts import TrainingMeta
+from microtrain.contracts import PlannedRun, TrainingMeta
 from microtrain.format import circle_generated as circle
 from microtrain.lazy import DEFAULT_EMBEDDING_UPDATE
 from microtrain.quantization import quantization_of
-from microtrain.trainer import DEFAULT_DIVERGENCE_SNAPSHOT
+from microtrain.run_config import DEFAULT_DIVERGENCE_SNAPSHOT
 from microtrain.loss_scale import DEFAULT_LOSS_SCALE
 from microtrain.format.model import (TYPE_NAMES, enum_names, get_metadata, int_list, op_name,
                                      options_dict, tensor_dtype)
@@ -71,12 +71,14 @@ def trained(path: Path, model: circle.ModelT) -> dict | None:
 
 
 def planned_memory(path: Path, model: circle.ModelT, batch: int | None, optimizer: str | None,
-                   accum_steps: int = 1, embedding_update: str = DEFAULT_EMBEDDING_UPDATE,
+                   accum_steps: int | None = None, embedding_update: str | None = None,
                    divergence_snapshot: str = DEFAULT_DIVERGENCE_SNAPSHOT,
-                   loss_scale: str = DEFAULT_LOSS_SCALE) -> dict | None:
+                   loss_scale: str | None = None) -> dict | None:
     """The planned peak of a training step for a frozen model written by
     `trainconf split` whose .wof and backprop graph lie beside it; else None.
-    `batch` and `optimizer` default to the model's recorded training parameters."""
+    `batch` and `optimizer` default to the model's recorded training parameters;
+    `accum_steps`, `embedding_update` and `loss_scale` to what its plan assumed of
+    the run (TrainingMeta.planned_for), else microtrain run's defaults."""
     files = {"frozen": Path(path), "wof": sibling(Path(path), ".wof"),
              "backprop": sibling(Path(path), ".backprop.circle")}
     if get_metadata(model, TRAINING_META) is None or not all(f.exists() for f in files.values()):
@@ -84,6 +86,11 @@ def planned_memory(path: Path, model: circle.ModelT, batch: int | None, optimize
     art = load_artifacts(path)
     recorded = art.training.parameters
     batch, optimizer = batch or recorded.batch_size, optimizer or recorded.optimizer
+    assumed = art.training.planned_for or PlannedRun(DEFAULT_LOSS_SCALE, 1,
+                                                     DEFAULT_EMBEDDING_UPDATE)
+    accum_steps = accum_steps or assumed.accum_steps
+    embedding_update = embedding_update or assumed.embedding_update
+    loss_scale = loss_scale or assumed.loss_scale
     plan = art.links.memory
     if plan is None:
         return None

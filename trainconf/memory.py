@@ -38,7 +38,7 @@ from microtrain.loss_scale import DEFAULT_LOSS_SCALE, LossScale, make_loss_scale
 from microtrain.metrics import bind, default_metric
 from microtrain.optimizers import TILE, make_optimizer
 from microtrain.precision import Underflow
-from microtrain.trainer import DEFAULT_DIVERGENCE_SNAPSHOT
+from microtrain.run_config import DEFAULT_DIVERGENCE_SNAPSHOT
 from microtrain.update_order import UpdateOrder
 from microtrain.weight_map import WeightMap, weight_map
 
@@ -450,7 +450,8 @@ def peak(art: Artifacts, batch: int, optimizer: str, files: dict[str, int],
     says, `loss_scale` as microtrain run's --loss-scale) holds, by part, and
     their totals: `ram` and `read_only` (the files read in place).  `files` are
     the sizes of the three files ("frozen", "wof", "backprop")."""
-    loss_scale = make_loss_scale(loss_scale).kind
+    if loss_scale != "static":  # a kind the plan recorded (planned_for) names no scale
+        loss_scale = make_loss_scale(loss_scale).kind
     plan = art.links.memory
     stored = sum(w.size for w in art.weights.values())  # with the frozen rows of partial ones
     trained = sum(hi - lo for lo, hi in _trained_spans(art).values())
