@@ -142,8 +142,7 @@ def _records_int8(frozen: Path) -> bool:
 def plan(out: Path, name: str) -> dict:
     """The model's four fine-tunings: how -> (model, QuantSpec)."""
     from trainconf.quantize import QuantSpec
-    calibration = out / f"{name}_calibration.npy"  # the fine-tuning data, as the docs advise
-    np.save(calibration, data(name)[0][:REPRESENTATIVE])
+    calibration = out / f"{name}_calibration.npy"  # written by runs()
     float_model, int8_model = out / f"{name}.tflite", out / f"{name}_int8.tflite"
     return {"fp32": (float_model, QuantSpec()), "int8, QAS": (int8_model, QuantSpec()),
             "int8, no QAS": (int8_model, QuantSpec(qas=False)),
@@ -160,6 +159,8 @@ def _job(job) -> tuple:
 
 def runs(out: Path, names: list[str], seeds: list[int], jobs: int) -> dict:
     """name -> how -> one result per seed, each printed as it ends."""
+    for name in names:  # QAT's calibration: fine-tuning data, as the docs advise
+        np.save(out / f"{name}_calibration.npy", data(name)[0][:REPRESENTATIVE])
     work = [(out, name, k, how, seed) for name in names
             for k, how in enumerate(plan(out, name)) for seed in seeds]
     results = {name: {how: [] for how in plan(out, name)} for name in names}
