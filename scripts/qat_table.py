@@ -7,8 +7,8 @@ Two Keras models are pretrained on classes 0-4 of scikit-learn's 8x8 digits
 TFLiteConverter: float, and full-integer int8 (int8 input and output,
 calibrated on 200 pretraining images, classes 0-4, as the representative
 dataset).  Each is then fine-tuned with microtrain on all ten classes, every
-weight, SGD with momentum 0.9 and a cosine decay of the learning rate to 0, on
-the same data, once per seed (the seed shuffles the data order):
+weight, SGD with momentum 0.9 at a constant learning rate, on the same data,
+once per seed (the seed shuffles the data order):
 
   fp32           the float model, trained in float
   int8, QAS      the int8 model (trainconf split: fp32 master on the model's own scales)
@@ -112,9 +112,7 @@ def finetune(model: Path, out: Path, name: str, quant, seed: int) -> dict:
     result = split(model, out, batch_size=BATCH, optimizer=OPTIMIZER,
                    learning_rate=learning_rate, force=True, quant=quant)
     onehot = np.eye(CLASSES, dtype=np.float32)
-    steps = epochs * -(-len(x) // BATCH)
-    trainer = Trainer(result.frozen, lr_schedule="cosine",
-                      schedule_params={"decay_steps": steps, "alpha": 0.0})
+    trainer = Trainer(result.frozen)
     before = trainer.evaluate([x_test], [onehot[y_test]])["accuracy"]
     trainer.fit([x], [onehot[y]], epochs=epochs, seed=seed)
     after = trainer.evaluate([x_test], [onehot[y_test]])["accuracy"]
