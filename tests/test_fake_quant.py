@@ -94,8 +94,8 @@ def test_tracked_scales_follow_the_weight_as_torch_with_its_detached_max(axis):
     t = torch.tensor(w, requires_grad=True)
     peak = t.detach().abs().amax(dim=[d for d in range(4) if d != axis])
     scales = torch.where(peak > 0, peak / 127, torch.ones_like(peak))
-    y = torch.fake_quantize_per_channel_affine(t, scales, torch.zeros(len(scales), dtype=torch.int32),
-                                               axis, -127, 127)
+    zeros = torch.zeros(len(scales), dtype=torch.int32)
+    y = torch.fake_quantize_per_channel_affine(t, scales, zeros, axis, -127, 127)
     y.backward(torch.tensor(dy))
     (ours,) = run("FakeQuantPerChannel", [w], [w.shape], np.float32, axis=axis)
     np.testing.assert_allclose(ours, y.detach().numpy(), rtol=1e-6, atol=1e-7)

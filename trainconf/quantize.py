@@ -13,9 +13,9 @@ every quantized weight or bias read through a FakeQuantPerChannel operator (when
 it trains; a frozen one is rounded once, here).  A trained weight's scales track
 it (each channel's max|w|/127, as TensorFlow's quantization-aware training and
 the int8 export compute them) unless `--weight-scales fixed` keeps the recorded
-ones, under which a weight that outgrows its grid clamps and stops learning.  The scales are recorded in the
-frozen model's `microtrain.quantization` metadata, which `trainconf export`
-reads to write the int8 model.
+ones, under which a weight that outgrows its grid clamps and stops learning.
+The scales are recorded in the frozen model's `microtrain.quantization`
+metadata, which `trainconf export` reads to write the int8 model.
 """
 from dataclasses import dataclass, field
 from pathlib import Path
