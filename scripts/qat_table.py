@@ -5,25 +5,28 @@ Two Keras models are pretrained on classes 0-4 of scikit-learn's 8x8 digits
 (the CNN of scripts/lora_table.py on the 8x8 images; Keras's MobileNetV2, width
 0.35, on the images upsampled to 32x32x3), then converted twice with
 TFLiteConverter: float, and full-integer int8 (int8 input and output,
-calibrated on 200 training images as the representative dataset).  Each is then
-fine-tuned with microtrain on all ten classes, every weight, SGD with momentum
-0.9, on the same data and order:
+calibrated on 200 pretraining images, classes 0-4, as the representative
+dataset).  Each is then fine-tuned with microtrain on all ten classes, every
+weight, SGD with momentum 0.9 at a constant learning rate, on the same data,
+once per seed (the seed shuffles the data order):
 
   fp32           the float model, trained in float
   int8, QAS      the int8 model (trainconf split: fp32 master on the model's own scales)
   int8, no QAS   the same with --qas off
-  QAT            the float model with --quantize int8 --calibration (the training images)
+  QAT            the float model with --quantize int8 --calibration (200 fine-tuning images)
 
 Reported: test accuracy before and after fine-tuning (the int8 rows computed
-through the int8 rounding, as the deployed model would), and of the trained model as
-`trainconf export` writes it (full-integer for the int8 and QAT rows) run in LiteRT.
+through the int8 rounding, as the deployed model would), as the mean, spread and
+values over the seeds, and of the trained model as `trainconf export` writes it
+(full-integer for the int8 and QAT rows) run in LiteRT.
 
-    python scripts/qat_table.py --out /tmp/qat_table --tf-python /opt/venvs/tf/bin/python
+    python scripts/qat_table.py --out /tmp/qat_table --tf-python /opt/venvs/tf/bin/python --jobs 2
 """
 import argparse
 import json
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from lora_table import BATCH, CLASSES, PRETRAIN_CLASSES, SEED, datasets  # noqa: E402
 
+SEEDS = (0, 1, 2)  # the fine-tuning's data orders: the table reports their mean and spread
 # model: (Keras pretraining epochs, microtrain fine-tuning epochs, learning rate)
 MODELS = {"cnn": (30, 15, 0.01), "mobilenet_v2": (30, 6, 0.002)}
 OPTIMIZER = "momentum"  # SGD with momentum 0.9, as TTE trains
@@ -72,9 +76,9 @@ def pretrain(out: Path, names: list[str]) -> None:
         model.fit(x[seen], y[seen], batch_size=BATCH, epochs=MODELS[name][0], verbose=0)
         settle_batch_norms(keras, model, x[seen])
 
-        def int8(c, x=x):
+        def int8(c, seen_x=x[seen]):
             c.optimizations = [tf.lite.Optimize.DEFAULT]
-            c.representative_dataset = lambda: ([x[i:i + 1]] for i in range(REPRESENTATIVE))
+            c.representative_dataset = lambda: ([seen_x[i:i + 1]] for i in range(REPRESENTATIVE))
             c.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
             c.inference_input_type = c.inference_output_type = tf.int8
         with tempfile.TemporaryDirectory() as tmp:
@@ -100,7 +104,7 @@ def settle_batch_norms(keras, model, x) -> None:
 
 # ------------------------------------------------------------- fine-tuning (microtrain)
 
-def finetune(model: Path, out: Path, name: str, quant) -> dict:
+def finetune(model: Path, out: Path, name: str, quant, seed: int) -> dict:
     from microtrain.trainer import Trainer
     from trainconf.split import split
     x, y, x_test, y_test = data(name)
@@ -110,10 +114,11 @@ def finetune(model: Path, out: Path, name: str, quant) -> dict:
     onehot = np.eye(CLASSES, dtype=np.float32)
     trainer = Trainer(result.frozen)
     before = trainer.evaluate([x_test], [onehot[y_test]])["accuracy"]
-    trainer.fit([x], [onehot[y]], epochs=epochs, seed=SEED)
+    trainer.fit([x], [onehot[y]], epochs=epochs, seed=seed)
     after = trainer.evaluate([x_test], [onehot[y_test]])["accuracy"]
     trainer.save_weights()
-    return {"before": before, "after": after, "memory": result.summary()["memory"]["ram"],
+    return {"seed": seed, "before": before, "after": after,
+            "memory": result.summary()["memory"]["ram"],
             "litert": litert_accuracy(result.frozen, out / "exported.tflite", x_test, y_test)}
 
 
@@ -132,31 +137,51 @@ def _records_int8(frozen: Path) -> bool:
     return has_record(load_model(frozen))
 
 
-def runs(out: Path, name: str) -> dict:
-    """The four fine-tunings of the model, each printed as it ends."""
+def plan(out: Path, name: str) -> dict:
+    """The model's four fine-tunings: how -> (model, QuantSpec)."""
     from trainconf.quantize import QuantSpec
-    calibration = out / f"{name}_calibration.npy"
-    np.save(calibration, data(name)[0][:REPRESENTATIVE])
+    calibration = out / f"{name}_calibration.npy"  # written by runs()
     float_model, int8_model = out / f"{name}.tflite", out / f"{name}_int8.tflite"
-    plan = {"fp32": (float_model, QuantSpec()), "int8, QAS": (int8_model, QuantSpec()),
+    return {"fp32": (float_model, QuantSpec()), "int8, QAS": (int8_model, QuantSpec()),
             "int8, no QAS": (int8_model, QuantSpec(qas=False)),
             "QAT (float, --quantize int8)": (float_model, QuantSpec("int8", calibration))}
-    results = {}
-    for k, (how, (model, quant)) in enumerate(plan.items()):
-        results[how] = finetune(model, out / name / str(k), name, quant)
-        print(json.dumps({name: {how: results[how]}}), flush=True)
+
+
+def _job(job) -> tuple:
+    out, name, k, how, seed = job
+    model, quant = plan(out, name)[how]
+    result = finetune(model, out / name / f"{k}_{seed}", name, quant, seed)
+    print(json.dumps({name: {how: result}}), flush=True)
+    return name, how, result
+
+
+def runs(out: Path, names: list[str], seeds: list[int], jobs: int) -> dict:
+    """name -> how -> one result per seed, each printed as it ends."""
+    for name in names:  # QAT's calibration: fine-tuning data, as the docs advise
+        np.save(out / f"{name}_calibration.npy", data(name)[0][:REPRESENTATIVE])
+    work = [(out, name, k, how, seed) for name in names
+            for k, how in enumerate(plan(out, name)) for seed in seeds]
+    results = {name: {how: [] for how in plan(out, name)} for name in names}
+    with ProcessPoolExecutor(jobs) as pool:
+        for name, how, result in pool.map(_job, work):
+            results[name][how].append(result)
     return results
 
 
 def table(results: dict) -> str:
-    rows = ["| model | trains | test accuracy (pretrained → fine-tuned) | vs fp32 "
-            "| exported, in LiteRT | planned RAM (batch 32) |", "|---|---|---|---|---|---|"]
+    rows = ["| model | trains | pretrained | fine-tuned: mean ± sd (per seed) | vs fp32 "
+            "| exported, in LiteRT (mean) | planned RAM (batch 32) |",
+            "|---|---|---|---|---|---|---|"]
     for name, by_how in results.items():
-        fp32 = by_how["fp32"]["after"]
-        for how, r in by_how.items():
-            rows.append(f"| {name} | {how} | {r['before']:.3f} → {r['after']:.3f} "
-                        f"| {100 * (r['after'] - fp32):+.1f} pp | {r['litert']:.3f} "
-                        f"| {r['memory']} |")
+        fp32 = np.mean([r["after"] for r in by_how["fp32"]])
+        for how, per_seed in by_how.items():
+            after = np.array([r["after"] for r in per_seed])
+            rows.append(f"| {name} | {how} | {per_seed[0]['before']:.3f} "
+                        f"| {after.mean():.3f} ± {after.std(ddof=1):.3f} "
+                        f"({', '.join(f'{a:.3f}' for a in after)}) "
+                        f"| {100 * (after.mean() - fp32):+.1f} pp "
+                        f"| {np.mean([r['litert'] for r in per_seed]):.3f} "
+                        f"| {per_seed[0]['memory']} |")
     return "\n".join(rows)
 
 
@@ -167,6 +192,9 @@ def main() -> None:
                         help="interpreter with TensorFlow and Keras 3, for the pretraining")
     parser.add_argument("--pretrain", action="store_true", help=argparse.SUPPRESS)  # the worker
     parser.add_argument("--models", default=",".join(MODELS), help="a comma list of models")
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)),
+                        help="a comma list of the fine-tuning's shuffling seeds")
+    parser.add_argument("--jobs", type=int, default=1, help="fine-tunings run at once")
     args = parser.parse_args()
     names = args.models.split(",")
     if args.pretrain:
@@ -178,10 +206,7 @@ def main() -> None:
         subprocess.run([args.tf_python, __file__, "--pretrain", "--out", str(args.out),
                         "--models", ",".join(missing)], check=True)
     sys.path.insert(0, str(ROOT))
-    results = {}
-    for name in names:
-        results[name] = runs(args.out, name)
-    print(table(results))
+    print(table(runs(args.out, names, [int(v) for v in args.seeds.split(",")], args.jobs)))
 
 
 if __name__ == "__main__":

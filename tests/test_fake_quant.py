@@ -158,3 +158,42 @@ def test_bias_grid_holds_32_bit_levels():
     b = np.array([[0.7, -12.3]])
     (q,) = run("FakeQuantPerChannel", [b, scales], [b.shape], axis=1, num_bits=32)
     np.testing.assert_allclose(q, np.round(b / scales) * scales)
+
+
+@pytest.mark.parametrize("axis", [0, 3])
+def test_tracked_scales_follow_the_weight_as_torch_with_its_detached_max(axis):
+    """Without a scales input, each channel's scale is max|W|/127 of W: torch's
+    per-channel fake quantization with those scales as constants, whose
+    straight-through gradient then passes everywhere (nothing can clamp)."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((4, 3, 3, 5)).astype(np.float32)
+    w[(slice(None),) * axis + (1,)] = 0  # an all-zero channel: scale 1
+    dy = rng.standard_normal(w.shape).astype(np.float32)
+    t = torch.tensor(w, requires_grad=True)
+    peak = t.detach().abs().amax(dim=[d for d in range(4) if d != axis])
+    scales = torch.where(peak > 0, peak / 127, torch.ones_like(peak))
+    zeros = torch.zeros(len(scales), dtype=torch.int32)
+    y = torch.fake_quantize_per_channel_affine(t, scales, zeros, axis, -127, 127)
+    y.backward(torch.tensor(dy))
+    (ours,) = run("FakeQuantPerChannel", [w], [w.shape], np.float32, axis=axis)
+    np.testing.assert_allclose(ours, y.detach().numpy(), rtol=1e-6, atol=1e-7)
+    (dw,) = run("FakeQuantPerChannelGrad", [dy, w], [w.shape], axis=axis)
+    np.testing.assert_array_equal(dw, t.grad.numpy())
+    np.testing.assert_array_equal(dw, dy)
+    (off,) = run("FakeQuantPerChannelGrad", [dy, w], [w.shape], axis=axis, qas=False)
+    np.testing.assert_allclose(off, dy * scales.numpy().astype(np.float64).reshape(
+        [-1 if d == axis else 1 for d in range(4)]) ** 2, rtol=1e-6)
+
+
+def test_a_weight_past_its_fixed_grid_clamps_where_tracked_scales_follow_it():
+    w = np.array([[0.5, -1.0, 1.6]])  # the scales were set when max|w| was 1.0
+    fixed = np.array([1.0 / 127])
+    (clamped,) = run("FakeQuantPerChannel", [w, fixed], [w.shape], axis=0)
+    (followed,) = run("FakeQuantPerChannel", [w], [w.shape], axis=0)
+    np.testing.assert_allclose(clamped[0, 2], 1.0)
+    np.testing.assert_allclose(followed[0, 2], 1.6)
+    dy = np.ones_like(w)
+    (stopped,) = run("FakeQuantPerChannelGrad", [dy, w, fixed], [w.shape], axis=0)
+    (passed,) = run("FakeQuantPerChannelGrad", [dy, w], [w.shape], axis=0)
+    np.testing.assert_array_equal(stopped, [[1, 1, 0]])
+    np.testing.assert_array_equal(passed, [[1, 1, 1]])

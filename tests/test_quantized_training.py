@@ -14,6 +14,7 @@ from microtrain.artifacts import BACKPROP_META, UNSEALED, seal
 from microtrain.errors import UserError
 from microtrain.format.model import (get_metadata, load_model, model_to_bytes, op_name,
                                      set_metadata)
+from microtrain.format.wof import read_wof
 from microtrain.graph import concrete_shape, graph_of
 from trainconf.cli import main as trainconf
 from microtrain.trainer import Trainer
@@ -76,6 +77,30 @@ def test_int8_model_trains_through_its_own_scales(digits, tmp_path):
                                                        int(inp.zeroPoint[0]))
     summary = _run(frozen, digits)[-1]
     assert summary["final_loss"] < summary["initial_loss"]
+
+
+def test_trained_weights_scales_track_them_unless_fixed(digits, tmp_path):
+    """Tracked: a trained int8 weight's FakeQuantPerChannel has no scales input and the
+    record leaves its scales to export (which takes max|w|/127 of the trained weight);
+    training moves some weight past the model's grid, which `--weight-scales fixed`
+    keeps (recorded, an input)."""
+    for mode in ("track", "fixed"):
+        frozen = _split(QUANTIZED / "full_int8.tflite", tmp_path / mode, "--optimizer", "sgd",
+                        "--learning-rate", "0.05", "--weight-scales", mode)
+        model = load_model(frozen)
+        record = record_of(model)
+        weights = [op.inputs[0] for op in graph_of(model).ops
+                   if op.type == "FakeQuantPerChannel" and op.options["num_bits"] == 8]
+        assert weights
+        for op in graph_of(model).ops:
+            if op.type == "FakeQuantPerChannel" and op.inputs[0] in weights:
+                assert (len(op.inputs) == 1) == (mode == "track") == \
+                    (op.inputs[0] not in record.weights)
+        wof = frozen.with_name("full_int8.wof")
+        before = {t: np.abs(a).max() for t, a in read_wof(wof, model).items()}
+        _run(frozen, digits)
+        after = {t: np.abs(a).max() for t, a in read_wof(wof, model).items()}
+        assert any(after[t] > 1.001 * before[t] for t in weights)
 
 
 @pytest.mark.parametrize("name", ["full_int8", "full_int8_float_io"])

@@ -54,6 +54,12 @@ def pool(x, o, kind):
     return y.permute(0, 2, 3, 1)
 
 
+def _tracked_scales(w, axis: int, qmax: int):
+    """Each channel's max|w|/qmax (0: 1), as a constant: no gradient flows into it."""
+    peak = w.detach().abs().amax(dim=[d for d in range(w.dim()) if d != axis])
+    return torch.where(peak > 0, peak / qmax, torch.ones_like(peak)).float()
+
+
 def _mirror_pad(x, paddings, mode):
     """Mirror padding as a gather of x's elements by numpy's padded index."""
     index = np.pad(np.arange(int(np.prod(x.shape[1:]))).reshape(x.shape[1:]), paddings[1:],
@@ -162,7 +168,8 @@ def run_op(op, v, g: Graph):
         return torch.fake_quantize_per_tensor_affine(x[0], scale, zero, low, high)
     if t == "FakeQuantPerChannel":  # symmetric, zero point 0
         qmax = (1 << (o.get("num_bits", 8) - 1)) - 1
-        scales = torch.tensor(g.tensors[op.inputs[1]].data, dtype=torch.float32)
+        scales = torch.tensor(g.tensors[op.inputs[1]].data, dtype=torch.float32) \
+            if len(op.inputs) > 1 else _tracked_scales(x[0], o["axis"], qmax)
         return torch.fake_quantize_per_channel_affine(
             x[0], scales, torch.zeros(len(scales), dtype=torch.int32), o["axis"], -qmax, qmax)
     binary = {"ADD": torch.add, "SUB": torch.sub, "MUL": torch.mul, "DIV": torch.div,

@@ -22,7 +22,8 @@ from .inspect import describe, planned_memory, render_text, trained
 from .memory import peak_text
 from .recompute import MODES as RECOMPUTE_MODES
 from .lora import LoraSpec
-from .quantize import DEFAULT_INT8_WEIGHTS, DEFAULT_QAS, INT8_WEIGHTS, QUANTIZE_CHOICES, QuantSpec
+from .quantize import (DEFAULT_INT8_WEIGHTS, DEFAULT_QAS, DEFAULT_WEIGHT_SCALES, INT8_WEIGHTS,
+                       QUANTIZE_CHOICES, WEIGHT_SCALES, QuantSpec)
 from .split import (DEFAULT_REDUCTION, DEFAULT_TRAINABLE, PRECISIONS, check_outputs, output_paths,
                     split)
 
@@ -203,6 +204,11 @@ def parameters_text(report: dict) -> str:
               show_default=True,
               help="A dynamic-range model (int8 weights, float activations): keep trains its "
                    "weights on their int8 grids, as deployed; dequantize trains them in float")
+@click.option("--weight-scales", type=click.Choice(WEIGHT_SCALES), default=DEFAULT_WEIGHT_SCALES,
+              show_default=True,
+              help="Quantized weights that train: track rounds each to its channels' "
+                   "max|w|/127 of the moment (the scales export writes); fixed keeps the "
+                   "model's (or calibration's) scales, clamping a weight that outgrows them")
 @estimate_options(f"MODEL's circle+ {CIRCLE_PLUS}",
                   ["optimizer", "hyperparameters", "batch_size", "epochs"],
                   " (recorded for microtrain run; also the memory estimate's)")
@@ -212,7 +218,7 @@ def parameters_text(report: dict) -> str:
 def split_command(model: Path, outdir: Path | None, as_json: bool, wait: bool,
                   lora_rank: int | None, lora_alpha: float | None, lora_targets: str, seed: int,
                   quantize: str | None, calibration: Path | None, qas: str, int8_weights: str,
-                  **options):
+                  weight_scales: str, **options):
     """Write STEM.frozen.circle (the forward graph, trainable weights cut out),
     STEM.wof (those weights) and STEM.backprop.circle (the gradient graph) for
     MODEL (.circle or .tflite)."""
@@ -220,7 +226,7 @@ def split_command(model: Path, outdir: Path | None, as_json: bool, wait: bool,
     frozen, wof, _ = output_paths(model, outdir)
     check_outputs(Path(model), outdir, options["force"])  # before a folder is made for the locks
     with made_folder(frozen.parent), locked([frozen, wof], wait):  # as a run of the set locks them
-        quant = QuantSpec(quantize, calibration, qas == "on", int8_weights)
+        quant = QuantSpec(quantize, calibration, qas == "on", int8_weights, weight_scales)
         summary = split(model, outdir, lora=lora, quant=quant, **options).summary()
     if as_json:
         print_json(summary)

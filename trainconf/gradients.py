@@ -423,7 +423,8 @@ def fake_quant(b, op, dy, needs):
 
 
 def fake_quant_per_channel(b, op, dy, needs):
-    """Straight through within each channel's range; `qas` as split chose it."""
-    w, scales = op.inputs
-    return [b.emit("FakeQuantPerChannelGrad", [dy, b.forward(w), b.forward(scales)], like=w,
-                   **_pick(op.options, ("axis", "num_bits", "qas"))), None]
+    """Straight through within each channel's range; `qas` as split chose it.
+    The scales (when an input: tracked ones have none) get no gradient."""
+    w, *scales = op.inputs
+    return [b.emit("FakeQuantPerChannelGrad", [dy, *map(b.forward, op.inputs)], like=w,
+                   **_pick(op.options, ("axis", "num_bits", "qas"))), *(None for _ in scales)]

@@ -10,9 +10,12 @@ Three cases become one form, a float graph with fake quantization:
 
 Every quantized activation is then written through a FAKE_QUANT operator, and
 every quantized weight or bias read through a FakeQuantPerChannel operator (when
-it trains; a frozen one is rounded once, here).  The scales are recorded in the
-frozen model's `microtrain.quantization` metadata, which `trainconf export`
-reads to write the int8 model.
+it trains; a frozen one is rounded once, here).  A trained weight's scales track
+it (each channel's max|w|/127, as TensorFlow's quantization-aware training and
+the int8 export compute them) unless `--weight-scales fixed` keeps the recorded
+ones, under which a weight that outgrows its grid clamps and stops learning.
+The scales are recorded in the frozen model's `microtrain.quantization`
+metadata, which `trainconf export` reads to write the int8 model.
 """
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +32,7 @@ from microtrain.format.model import (TYPE_NAMES, add_operator_code, buffer_array
 from microtrain.graph import Graph, concrete_shape, graph_of
 from microtrain.kernels import build as build_kernel
 from microtrain.kernels.fake_quant import (channel_shape, range_of, scale_zero_point,
-                                           symmetric_levels)
+                                           symmetric_levels, tracked_scales)
 
 from .constants import dequantized, is_quantized, set_float
 from .portable import Editor
@@ -40,6 +43,8 @@ QUANTIZE_CHOICES = ("int8",)
 INT8_WEIGHTS = ("keep", "dequantize")  # what split does with a dynamic-range model's weights
 DEFAULT_INT8_WEIGHTS = "keep"  # the deployed form
 DEFAULT_QAS = True
+WEIGHT_SCALES = ("track", "fixed")  # a trained weight's scales: its max|w|/127, or recorded
+DEFAULT_WEIGHT_SCALES = "track"
 # operators TFLite runs on int8 with their output on their input's grid
 SAME_GRID = {"RESHAPE", "SQUEEZE", "EXPAND_DIMS", "MAX_POOL_2D", "TRANSPOSE", "STRIDED_SLICE",
              "SLICE", "SPACE_TO_DEPTH", "DEPTH_TO_SPACE"}
@@ -53,11 +58,13 @@ CALIBRATION_BATCH = 64
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """What split's --quantize, --calibration, --qas and --int8-weights ask for."""
+    """What split's --quantize, --calibration, --qas, --int8-weights and
+    --weight-scales ask for."""
     quantize: str | None = None
     calibration: Path | None = None
     qas: bool = DEFAULT_QAS
     int8_weights: str = DEFAULT_INT8_WEIGHTS
+    weight_scales: str = DEFAULT_WEIGHT_SCALES
 
 
 @dataclass
@@ -329,9 +336,13 @@ def _fake_quant_op(edit: Editor, source: int, t: int, grid: tuple[float, int]):
 
 
 def fake_quantize_weights(model, g: Graph, record: Record, trainable: list[int],
-                          batch: int) -> Graph:
+                          batch: int, track: bool) -> Graph:
     """Read each recorded weight that trains through a FakeQuantPerChannel, so the
-    forward re-rounds it after every update; round a frozen one once, here."""
+    forward re-rounds it after every update; round a frozen one once, here.  With
+    `track`, a trained int8 weight's op has no scales input (they follow the
+    weight) and its scales leave the record, so that export computes them from
+    the trained weight as training did; a bias keeps its s_in·s_w of the split
+    (at 32 bits the grids differ by far less than an activation's step)."""
     edit = Editor(model, g, batch)
     sg = model.subgraphs[0]
     for op, original in zip(g.ops, sg.operators):
@@ -344,18 +355,25 @@ def fake_quantize_weights(model, g: Graph, record: Record, trainable: list[int],
                 set_constant(model, t, rounded(g.tensors[t].data, axis, bits, scales))
                 continue
             name = g.tensors[t].name
-            s = edit.const(f"{name}/scales", np.asarray(scales, np.float32))
-            original.inputs[k] = edit.new("FakeQuantPerChannel", [t, s], f"{name}/quantized",
+            inputs = [t]
+            if track and bits == 8:
+                del record.weights[t]
+            else:
+                inputs.append(edit.const(f"{name}/scales", np.asarray(scales, np.float32)))
+            original.inputs[k] = edit.new("FakeQuantPerChannel", inputs, f"{name}/quantized",
                                           g.tensors[t].shape, g.tensors[t].dtype, axis=axis,
                                           num_bits=bits, qas=record.qas)
         edit.ops.append(original)
     sg.operators = edit.ops
+    set_metadata(model, METADATA, record.to_json())
     return graph_of(model)
 
 
-def rounded(w: np.ndarray, axis: int, bits: int, scales: list[float]) -> np.ndarray:
-    """w on its channels' symmetric grids, as FakeQuantPerChannel computes it."""
-    s = np.asarray(scales, np.float64).reshape(channel_shape(w.ndim, axis, len(scales)))
+def rounded(w: np.ndarray, axis: int, bits: int, scales: list[float] | None) -> np.ndarray:
+    """w on its channels' symmetric grids, as FakeQuantPerChannel computes it
+    (scales None: tracked)."""
+    s = tracked_scales(w, axis, bits) if scales is None else \
+        np.asarray(scales, np.float64).reshape(channel_shape(w.ndim, axis, len(scales)))
     qmax = (1 << (bits - 1)) - 1
     return (np.clip(symmetric_levels(w, s), -qmax, qmax) * s).astype(w.dtype)
 
@@ -389,9 +407,9 @@ def round_weights(model) -> None:
     for op in g.ops:
         if op.type == "FakeQuantPerChannel":
             w = op.inputs[0]
+            scales = list(g.tensors[op.inputs[1]].data) if len(op.inputs) > 1 else None
             set_constant(model, w, rounded(buffer_array(model, sg.tensors[w]), op.options["axis"],
-                                           op.options["num_bits"],
-                                           list(g.tensors[op.inputs[1]].data)))
+                                           op.options["num_bits"], scales))
             renamed[op.outputs[0]] = w
     sg.operators = [o for o, op in zip(sg.operators, g.ops) if op.type != "FakeQuantPerChannel"]
     for o in sg.operators:
@@ -402,7 +420,7 @@ def round_weights(model) -> None:
 
 def store_levels(model) -> Graph:
     """Declare the output of each fake quantization of 8 bits (FAKE_QUANT's
-    activations, FakeQuantPerChannel's weights) int8 on its grid, but a model
+    activations, FakeQuantPerChannel's weights of fixed scales) int8 on its grid, but a model
     output (the loss and the metrics read it): the runtime then stores its
     levels, a byte each, its readers seeing the very float32 values (the plan
     counts one byte; graph.Tensor.fake_quant, schemas/quantization.md)."""
@@ -414,7 +432,8 @@ def store_levels(model) -> Graph:
             continue
         if op.type == "FAKE_QUANT":
             grid = scale_zero_point(options["min"], options["max"])
-        elif op.type == "FakeQuantPerChannel":
+        elif op.type == "FakeQuantPerChannel" and len(op.inputs) > 1 and op.inputs[1] >= 0:
+            # (tracked scales, no input, change every step: no grid to store on)
             scales = g.tensors[op.inputs[1]].data
             grid = scales, np.zeros(len(scales), np.int64), options["axis"]
         else:

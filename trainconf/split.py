@@ -432,7 +432,8 @@ def build(model_path: Path, choose, loss, reduction, types, batch_size: int,
         weights = in_first_use_order(g, weights + adapters)
     record = record_of(model)
     if record is not None:
-        g = fake_quantize_weights(model, g, record, weights, model_batch)
+        g = fake_quantize_weights(model, g, record, weights, model_batch,
+                                  quant.weight_scales == "track")
         g = store_levels(model)
     loss = loss or default_loss(g)
     chosen = LossSpec(loss, reduction, ignore_index, from_logits)
@@ -505,7 +506,7 @@ def _slice_leading_rows(b: Builder, op, rows: tuple[int, int]) -> None:
     """Make `op` (a FakeQuantPerChannelGrad of output channels along axis 0) read
     rows lo..hi of its weight and scales, cut by SLICEs inserted right before it."""
     lo, hi = rows
-    for position in (1, 2):
+    for position in range(1, len(op.inputs)):  # the weight, and its scales unless tracked
         t = op.inputs[position]
         shape = b.shape_of(t)
         begin = np.array([lo] + [0] * (len(shape) - 1), np.int32)

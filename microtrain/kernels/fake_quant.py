@@ -6,7 +6,10 @@ activation to its per-tensor asymmetric grid, with TensorFlow's nudging of the
 range so that 0 is exactly representable.  FakeQuantPerChannel rounds a weight
 (or a bias) to its per-channel symmetric grid: zero point 0, levels
 −qmax..qmax with qmax = 2^(bits−1) − 1, as TFLite's int8 weights (bits 8) and
-int32 biases (bits 32).  Both round half away from zero, as TFLite does.
+int32 biases (bits 32); its scales are an input (fixed), or, without that
+input, each channel's max|W|/qmax of the current W (tracked, as TensorFlow's
+quantization-aware training and the int8 export compute them).  Both round
+half away from zero, as TFLite does.
 
 Either, given an int8 output, stores the level of each value instead of the value
 (schemas/quantization.md, "int8 storage"): level q of FAKE_QUANT's int8 grid
@@ -154,18 +157,29 @@ def symmetric_levels(w: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.trunc(v + np.copysign(0.5, v))
 
 
-def _per_channel(w, scales, axis: int) -> np.ndarray:
+def tracked_scales(w: np.ndarray, axis: int, num_bits: int = 8) -> np.ndarray:
+    """Each channel's max|w|/qmax along `axis` (an all-zero channel: 1), in float64,
+    shaped to broadcast against w."""
+    others = tuple(a for a in range(w.ndim) if a != axis)
+    peak = np.abs(w.astype(np.float64)).max(axis=others, keepdims=True)
+    return np.where(peak > 0, peak / ((1 << (num_bits - 1)) - 1), 1.0)
+
+
+def _per_channel(w, scales, axis: int, num_bits: int) -> np.ndarray:
+    """The channels' scales, broadcasting against w: given, or tracked (scales None)."""
+    if scales is None:
+        return tracked_scales(w, axis, num_bits)
     return np.asarray(scales, np.float64).reshape(channel_shape(w.ndim, axis, w.shape[axis]))
 
 
 @kernel("FakeQuantPerChannel")
 def fake_quant_per_channel(inputs, outputs, axis=0, num_bits=8, **_):
     """W rounded to its channels' symmetric grids: clamp(round(W/s), ±qmax)·s."""
-    (w, scales), (y,) = inputs, outputs
+    (w, *scales), (y,) = inputs, outputs
     qmax = float((1 << (num_bits - 1)) - 1)
 
     def step():
-        s = _per_channel(w, scales, axis)
+        s = _per_channel(w, scales[0] if scales else None, axis, num_bits)
         levels = np.clip(symmetric_levels(w, s), -qmax, qmax)
         y[...] = levels if y.dtype == np.int8 else levels * s  # int8: the levels (see above)
     return step
@@ -173,14 +187,14 @@ def fake_quant_per_channel(inputs, outputs, axis=0, num_bits=8, **_):
 
 @kernel("FakeQuantPerChannelGrad")
 def fake_quant_per_channel_grad(inputs, outputs, axis=0, num_bits=8, qas=True, **_):
-    """dW = dY where |round(W/s)| ≤ qmax, else 0; without `qas` also times s²
-    (the update of an integer weight trained by plain SGD, seen on its float
-    value: docs/quantization.md)."""
-    (dy, w, scales), (dw,) = inputs, outputs
+    """dW = dY where |round(W/s)| ≤ qmax (tracked scales: everywhere), else 0;
+    without `qas` also times s² (the update of an integer weight trained by
+    plain SGD, seen on its float value: docs/quantization.md)."""
+    (dy, w, *scales), (dw,) = inputs, outputs
     qmax = (1 << (num_bits - 1)) - 1
 
     def step():
-        s = _per_channel(w, scales, axis)
+        s = _per_channel(w, scales[0] if scales else None, axis, num_bits)
         grad = dy * (np.abs(symmetric_levels(w, s)) <= qmax)
         dw[...] = grad if qas else grad * s * s
     return step
