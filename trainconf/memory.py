@@ -354,8 +354,10 @@ def optimizer_bytes(name: str, parameters: int, dense: int | None = None, lazy_r
     in a lazy table's touched rows (see microtrain.optimizers.Optimizer), measured
     on small ones: linear in the weights, in max(dense, lazy_rows) up to a tile
     (its scratch) and in lazy_rows (the touched rows of the weights and the state)."""
-    def held(n, d, r):
-        return held_bytes(make_optimizer(name, n, dense=d, lazy_rows=r))
+    def held(n, d, r):  # begun, as in a step: its scalars are 0-d arrays
+        optimizer = make_optimizer(name, n, dense=d, lazy_rows=r)
+        optimizer.begin(optimizer.learning_rate)
+        return held_bytes(optimizer)
     base = held(1, 1, 1)
     per_weight, per_scratch = held(2, 1, 1) - base, held(1, 2, 1) - base
     per_row = held(1, 1, 2) - held(1, 2, 1)
