@@ -143,7 +143,8 @@ class Memory:
         shapes = {t: (-1,) + art.weights[t].shape[1:] for t in dense}
         if self.reorder:
             self.grads = None
-            self.grad_views = _gradient_buffer(art, shapes, self.grad_offsets)
+            self.grad_buffer, self.grad_at, self.grad_views = _gradient_buffer(
+                art, shapes, self.grad_offsets)
         else:
             self.grads = np.zeros(ends[-1], np.float32)
             self.grad_views = {t: self.grads[lo:hi].reshape(shapes[t])
@@ -200,13 +201,14 @@ def reorders(art: Artifacts, accumulating: bool, loss_scale: str) -> bool:
     return bool(plan and plan.updates) and (accumulating or loss_scale == "none")
 
 
-def _gradient_buffer(art: Artifacts, shapes: dict, offsets: dict) -> dict:
-    """Weight -> its gradient array, in the plan's gradient buffer where the plan
-    places it, else an array of its own."""
+def _gradient_buffer(art: Artifacts, shapes: dict, offsets: dict) -> tuple:
+    """The plan's gradient buffer, weight -> the element its gradient starts at
+    there, and weight -> its gradient array, in the buffer where the plan places
+    it, else an array of its own."""
     plan = art.links.memory
     weight_of, fused = dict(art.links.gradients), dict(plan.fused)
     buffer = np.zeros(plan.gradient_bytes // 4, np.float32)
-    views = {}
+    views, starts = {}, {}
     for g, at in plan.gradients:
         t = weight_of.get(g)
         if t not in offsets or at % 4:
@@ -219,11 +221,11 @@ def _gradient_buffer(art: Artifacts, shapes: dict, offsets: dict) -> dict:
         if hi > buffer.size:
             raise UserError(art.backprop_path, f"memory plan: gradient {g} does not fit the "
                                                f"{plan.gradient_bytes}-byte gradient buffer")
-        views[t] = buffer[lo:hi].reshape(shapes[t])
+        views[t], starts[t] = buffer[lo:hi].reshape(shapes[t]), lo
     for t, (lo, hi) in offsets.items():
         if t not in views:
             views[t] = np.zeros(hi - lo, np.float32).reshape(shapes[t])
-    return views
+    return buffer, starts, views
 
 
 _NO_GRADIENT = np.zeros(0, np.float32)  # a lazy table's gradient tensor (RowGrad holds it)

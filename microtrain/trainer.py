@@ -170,9 +170,10 @@ class Trainer:
                                  UpdateOrder(self.art, self._update_now if self.reorder else None))
         self._begun = False  # whether this step's updates have begun (reordering)
         self._flat_grads = {t: g.reshape(-1) for t, g in self.memory.grad_views.items()}
-        # weight t, or a fused tile's (lo, hi) in the weights -> its update
-        self._updaters = {t: self.optimizer.updater(self.memory.params, *self.memory.offsets[t])
-                          for t in self.memory.grad_views} if self.reorder else {}
+        # weight t, or a fused tile's (lo, hi) in the weights -> its update, cut once
+        self._updaters: dict = {}
+        # the weights updated at one point -> their runs (_update_runs), cut once
+        self._runs: dict[tuple, list | None] = {}
         self._collect: np.ndarray | None = None  # gradients() collects here instead
         if divergence_snapshot not in DIVERGENCE_SNAPSHOTS:
             raise UserError(None, f"unknown --divergence-snapshot {divergence_snapshot!r} "
@@ -320,22 +321,55 @@ class Trainer:
             raise Diverged(value)
         return value
 
-    def _update_now(self, t: int, loss: np.ndarray, rows: tuple[int, int] | None = None) -> None:
-        """Update weight t in the backward pass, its gradient complete and its
-        value read no more (operator reordering; the plan's `updates`), or,
-        accumulating, add its gradient to the running sum; unless the step's
-        `loss` is not finite.  `rows`: only rows lo:hi of the weight, whose
-        gradient is the tile the gradient buffer holds (the plan's `fused`)."""
+    def _update_runs(self, weights: tuple) -> list | None:
+        """Dense `weights` in runs that lie one after another both in the
+        weights and in the gradient buffer (the plan places a layer's kernel and
+        bias so): (update, flat gradient) of each, one optimizer call a run."""
+        if any(t in self.memory.lazy for t in weights):
+            return None
+        runs = []  # [lo, hi, start in the gradient buffer, weight]
+        for t in sorted(weights, key=lambda t: self.memory.offsets[t]):
+            (lo, hi), at = self.memory.offsets[t], self.memory.grad_at.get(t)
+            last = runs[-1] if runs else None
+            if last and last[1] == lo and at is not None and last[2] == at - (lo - last[0]):
+                last[1] = hi
+            else:
+                runs.append([lo, hi, at, t])
+        return [(self.optimizer.updater(self.memory.params, lo, hi), self._flat_grads[t]
+                 if at is None else self.memory.grad_buffer[at:at + hi - lo])
+                for lo, hi, at, t in runs]
+
+    def _update_now(self, weights: tuple, loss: np.ndarray,
+                    rows: tuple[int, int] | None = None) -> None:
+        """Update `weights` in the backward pass, their gradients complete and
+        their values read no more (operator reordering; the plan's `updates`),
+        or, accumulating, add their gradients to the running sum; unless the
+        step's `loss` is not finite.  `rows`: only rows lo:hi of the one weight,
+        whose gradient is the tile the gradient buffer holds (the plan's `fused`)."""
+        if self._collect is None and not self._begun:  # the loss is known by now
+            self._finite_loss(loss)
+            if self._accum is None:
+                self.optimizer.begin(self.schedule(self.optimizer.iterations))
+            self._begun = True
+        plain = rows is None and self._collect is None and self._accum is None \
+            and self.proximal is None
+        if plain and weights not in self._runs:
+            self._runs[weights] = self._update_runs(weights)
+        runs = self._runs[weights] if plain else None
+        if runs is not None:
+            for update, grad in runs:
+                update(grad)
+            return
+        for t in weights:
+            self._update_weight(t, rows)
+
+    def _update_weight(self, t: int, rows: tuple[int, int] | None) -> None:
+        """_update_now of weight t alone (or, gradients() collecting, its gradient copied out)."""
         if self._collect is not None:
             if t in self.memory.grad_offsets:  # a lazy table's rows are in its RowGrad
                 lo, hi = self._span(t, self.memory.grad_offsets[t], rows)
                 self._collect[lo:hi] = self._flat_grads[t][:hi - lo]
             return
-        if not self._begun:  # the step's first update: the loss is known by now
-            self._finite_loss(loss)
-            if self._accum is None:
-                self.optimizer.begin(self.schedule(self.optimizer.iterations))
-            self._begun = True
         if self._accum is not None:
             self._add_to_sum(t, rows)
             return
@@ -349,7 +383,7 @@ class Trainer:
             mu, anchor = self.proximal
             grad += np.float32(mu) * (self.memory.params[lo:hi] - anchor[lo:hi])
         key = t if rows is None else (lo, hi)
-        if key not in self._updaters:  # a fused tile's, cut once
+        if key not in self._updaters:
             self._updaters[key] = self.optimizer.updater(self.memory.params, lo, hi)
         self._updaters[key](grad)
 

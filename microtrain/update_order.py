@@ -18,8 +18,8 @@ from .precision import F32
 
 class UpdateOrder:
     """The plan's `updates` and `fused` records, checked, and the closures they
-    add to the backprop step.  `update`: update(weight, loss array) after the
-    operator completing a gradient, or update(weight, loss array, (lo, hi))
+    add to the backprop step.  `update`: update(weights, loss array) after the
+    operator completing their gradients, or update((weight,), loss array, (lo, hi))
     after each tile of a fused one; None: every gradient is held whole until
     the step ends (fused gradients still computed in the same tiles)."""
 
@@ -48,11 +48,11 @@ class UpdateOrder:
         return op.outputs[0] in self.fused
 
     def after(self, op, arrays: list, fused: bool) -> list:
-        """The updates of the weights whose gradients `op` completes; a gradient
+        """The update of the weights whose gradients `op` completes; a gradient
         it computes `fused` has updated tile by tile already."""
         tiled = self.weight_grads.get(op.outputs[0]) if fused else None
-        return [partial(self.update, w, arrays[self.loss]) for w in self.updates.get(op.index, ())
-                if w != tiled]
+        weights = tuple(w for w in self.updates.get(op.index, ()) if w != tiled)
+        return [partial(self.update, weights, arrays[self.loss])] if weights else []
 
     def fused_steps(self, g, op, arrays: list) -> list:
         """Weight gradient op.outputs[0] computed a tile of its rows (output
@@ -76,6 +76,6 @@ class UpdateOrder:
             tile = out[lo:hi] if whole else out[:hi - lo]
             steps.append(prepare(op.type, [dy[..., lo:hi], *rest], [tile], **op.options))
             if not whole:
-                steps.append(partial(self.update, self.weight_grads[op.outputs[0]],
+                steps.append(partial(self.update, (self.weight_grads[op.outputs[0]],),
                                      arrays[self.loss], (lo, hi)))
         return [in_sequence(steps)]

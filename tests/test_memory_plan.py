@@ -499,6 +499,36 @@ def test_each_update_follows_every_use_of_its_weight_and_gradient(splits, tmp_pa
         assert shared > len(grad_of)
 
 
+def test_a_layers_kernel_and_bias_update_in_one_optimizer_call(splits):
+    """Every element updates once a step, and each layer whose kernel gradient
+    is not fused (those update a tile of rows at a time) has its kernel and bias
+    updated by one call of the optimizer's rule over both."""
+    trainer = Trainer(splits("mobilenetv2").frozen, batch_size=8, optimizer="adam")
+    base = trainer.memory.params.ctypes.data
+    calls = []
+    rule = trainer.optimizer._update
+
+    def counted(params, *rest):
+        lo = (params.ctypes.data - base) // 4
+        calls.append((lo, lo + params.size))
+        rule(params, *rest)
+    trainer.optimizer._update = counted
+    trainer.fit(*[[a] for a in data("mobilenetv2", 8)], epochs=1, shuffle=False)
+    covered = np.zeros(trainer.memory.params.size, int)
+    for lo, hi in calls:
+        covered[lo:hi] += 1
+    assert (covered == 1).all()
+    art, offsets = trainer.art, trainer.memory.offsets
+    grad_of = {w: g for g, w in art.links.gradients}
+    fused = dict(art.links.memory.fused)
+    layers = [op.inputs[1:3] for op in art.forward.ops if len(op.inputs) >= 3
+              and all(t in offsets for t in op.inputs[1:3]) and grad_of[op.inputs[1]] not in fused]
+    assert len(layers) > 30
+    for kernel, bias in layers:
+        assert any(lo <= offsets[kernel][0] and offsets[bias][1] <= hi for lo, hi in calls)
+    assert len(calls) < len(offsets)
+
+
 def without_updates(frozen: Path, folder: Path) -> Path:
     """The split files with a plan that says nothing of updates: every gradient
     is held until the backward pass ends (the path loss scaling takes)."""

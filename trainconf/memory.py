@@ -222,13 +222,15 @@ def update_points(bp: Graph, links: GraphLinks) -> dict[int, int]:
     return point
 
 
-def plan_gradients(bp: Graph, links: GraphLinks, fused_least: int) -> dict:
+def plan_gradients(bp: Graph, links: GraphLinks, trainable: list[int], fused_least: int) -> dict:
     """The gradient buffer of a step whose weights update as soon as their
     gradients are complete: each gradient lives from its first write to its
     update, and gradients whose lives do not overlap share bytes.  A table's
     gradient that may be held as its touched rows (lazy.row_gradients) is left
     out, as is one no operator writes: they keep arrays of their own.  Fused
-    gradients take tiles of at least `fused_least` elements (fused_rows)."""
+    gradients take tiles of at least `fused_least` elements (fused_rows).
+    Gradients of neighbouring weights that complete together update together
+    (update_runs), placed one after another."""
     points = update_points(bp, links)
     first: dict = {}
     for op in bp.ops:
@@ -237,13 +239,42 @@ def plan_gradients(bp: Graph, links: GraphLinks, fused_least: int) -> dict:
     lazy = row_gradients(bp, links)
     planned = [g for g, _ in links.gradients if g in first and g not in lazy]
     fused = fused_rows(bp, points, planned, fused_least)
-    region = [Need([("backprop", g)], _aligned(4 * fused.get(g, bp.tensors[g].shape[0])
-                                               * prod(bp.tensors[g].shape[1:])), False,
-                   first[g], points[g]) for g in planned]
+    sizes = {g: 4 * fused.get(g, bp.tensors[g].shape[0]) * prod(bp.tensors[g].shape[1:])
+             for g in planned}
+    runs = update_runs(links, trainable, {g: n for g, n in sizes.items() if g not in fused}, points)
+    runs += [[g] for g in planned if g in fused]
+    for run in runs:
+        for g in run:
+            points[g] = max(points[h] for h in run)
+    region = [Need([("backprop", g) for g in run], _aligned(sum(sizes[g] for g in run)), False,
+                   min(first[g] for g in run), points[run[0]]) for run in runs]
     at, size = pack(region)
-    return {"updates": sorted(points.items()), "gradients": sorted(
-        (g, at[i]) for i, g in enumerate(planned)), "gradient_bytes": size,
-        "fused": sorted(fused.items())}
+    gradients = [(g, at[i] + sum(sizes[h] for h in run[:k]))
+                 for i, run in enumerate(runs) for k, g in enumerate(run)]
+    return {"updates": sorted(points.items()), "gradients": sorted(gradients),
+            "gradient_bytes": size, "fused": sorted(fused.items())}
+
+
+def update_runs(links: GraphLinks, trainable: list[int], sizes: dict[int, int],
+                points: dict[int, int]) -> list[list[int]]:
+    """The gradients `sizes` names (with their bytes) in runs of weights that
+    follow one another in the flat parameter vector (`trainable`'s order) and
+    whose updates fall at most one operator apart (a layer's kernel and its
+    bias), each but the last of a whole number of `align` bytes: a run updates
+    after its last gradient, in one optimizer call of some 12 ufuncs instead of
+    one a weight, its first gradients held an operator longer."""
+    grad_of = {w: g for g, w in links.gradients if g in sizes}
+    runs: list[list[int]] = []
+    previous = None
+    for g in map(grad_of.get, trainable):
+        joins = None not in (previous, g) and _aligned(sizes[previous]) == sizes[previous]
+        span = [points[h] for h in runs[-1] + [g]] if joins else []
+        if span and max(span) - min(span) <= 1:
+            runs[-1].append(g)
+        elif g is not None:
+            runs.append([g])
+        previous = g
+    return runs
 
 
 FUSED_TILE = 1024  # elements of a fused weight gradient's tile a sample of the batch (4 KiB)
@@ -312,7 +343,7 @@ def plan_memory(fwd: Graph, bp: Graph, links: GraphLinks, trainable: list[int],
     return MemoryPlan(version=MemoryPlan.VERSION, align=ALIGN, arena=(per_sample, fixed_size),
                       forward=[tuple(e) for e in sorted(entries["forward"])],
                       backprop=[tuple(e) for e in sorted(entries["backprop"])],
-                      **plan_gradients(bp, links, fused_least))
+                      **plan_gradients(bp, links, trainable, fused_least))
 
 
 # -- the bytes of a whole step ------------------------------------------------------------------
@@ -354,8 +385,10 @@ def optimizer_bytes(name: str, parameters: int, dense: int | None = None, lazy_r
     in a lazy table's touched rows (see microtrain.optimizers.Optimizer), measured
     on small ones: linear in the weights, in max(dense, lazy_rows) up to a tile
     (its scratch) and in lazy_rows (the touched rows of the weights and the state)."""
-    def held(n, d, r):
-        return held_bytes(make_optimizer(name, n, dense=d, lazy_rows=r))
+    def held(n, d, r):  # begun, as in a step: its scalars are 0-d arrays
+        optimizer = make_optimizer(name, n, dense=d, lazy_rows=r)
+        optimizer.begin(optimizer.learning_rate)
+        return held_bytes(optimizer)
     base = held(1, 1, 1)
     per_weight, per_scratch = held(2, 1, 1) - base, held(1, 2, 1) - base
     per_row = held(1, 1, 2) - held(1, 2, 1)
