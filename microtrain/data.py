@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UserError
-from .files import MAX_INPUT_BYTES, read_npy, read_npy_file, read_zip_member, regular_file
-from .precision import reduced
-from .shuffle import Shuffler
+from microtrain.files.errors import UserError
+from microtrain.files.opening import (MAX_INPUT_BYTES, read_npy, read_npy_file, read_zip_member,
+                                      regular_file)
+from microtrain.step.precision import reduced
+from microtrain.shuffle import Shuffler
 
 # Array kinds that are numbers: bool, signed and unsigned integers, floats.
 _NUMERIC_KINDS = "biuf"

@@ -8,8 +8,8 @@ from math import prod
 
 import numpy as np
 
-from .kernels.workspace import kept
-from .loss_registry import LOSS_KINDS, PER_CLASS
+from microtrain.step.kernels.workspace import kept
+from microtrain.files.loss_registry import LOSS_KINDS, PER_CLASS
 
 HIGHER_IS_BETTER = {"accuracy": True, "mae": False, "mse": False, "loss": False}
 

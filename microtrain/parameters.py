@@ -1,11 +1,11 @@
 """The training parameters a run uses and where each came from: given (on the
 command line, or to the Python call), else recorded (in the frozen model by
 `trainconf split`, or in a circle+ model's CIRCLE_TRAINING), else the defaults
-of the record (microtrain.contracts.TrainingParameters) and of the optimizer."""
+of the record (microtrain.files.contracts.TrainingParameters) and of the optimizer."""
 from dataclasses import dataclass
 
-from .contracts import TrainingParameters
-from .optimizers import DEFAULTS
+from microtrain.files.contracts import TrainingParameters
+from microtrain.step.optimizers import DEFAULTS
 
 GIVEN = "command line"
 FROZEN_MODEL = "frozen model"

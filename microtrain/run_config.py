@@ -22,13 +22,13 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import click
 
-from .contracts import MAX_INDEX, TrainingParameters
-from .errors import UserError
-from .lazy import DEFAULT_EMBEDDING_UPDATE, EMBEDDING_UPDATES
-from .loss_scale import ADAPTIVE_DEFAULTS, DEFAULT_LOSS_SCALE, DYNAMIC_DEFAULTS
-from .metrics import METRICS
-from .optimizers import DEFAULTS as OPTIMIZER_DEFAULTS, OPTIMIZERS
-from .schedules import DEFAULTS as SCHEDULE_DEFAULTS, SCHEDULES
+from microtrain.files.contracts import MAX_INDEX, TrainingParameters
+from microtrain.files.errors import UserError
+from microtrain.step.lazy import DEFAULT_EMBEDDING_UPDATE, EMBEDDING_UPDATES
+from microtrain.step.loss_scale import ADAPTIVE_DEFAULTS, DEFAULT_LOSS_SCALE, DYNAMIC_DEFAULTS
+from microtrain.metrics import METRICS
+from microtrain.step.optimizers import DEFAULTS as OPTIMIZER_DEFAULTS, OPTIMIZERS
+from microtrain.step.schedules import DEFAULTS as SCHEDULE_DEFAULTS, SCHEDULES
 
 RECORDED = "the frozen model's training parameters (recorded by trainconf split)"
 HYPERPARAMETER, SCHEDULE, LOSS_SCALE = "hyperparameter", "schedule", "loss scale"

@@ -7,27 +7,28 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .arena import held_bytes
-from .contracts import LossScaleState, PlannedRun, ShufflerState
-from .artifacts import load_artifacts
-from .data import Holding, batch_indices, check_ids, check_values, hold
-from .errors import UserError
-from .executor import Memory, Plan, Wrappers, check_supported, compile_plan, reorders
-from .graph import symbolic_batch
-from .format.wof import write_wof
-from .kernels.workspace import sharing
-from .lazy import DEFAULT_EMBEDDING_UPDATE, RowSum, check_embedding_update, check_lazy, lazy_tables
-from .loss_scale import LossScale, make_loss_scale
-from .precision import Underflow
-from .quantization import quantize
-from .metrics import HIGHER_IS_BETTER, METRICS, bind, default_metric
-from .optimizers import make_optimizer
-from .output_loss import OutputLoss
-from .parameters import FROZEN_MODEL, resolve
-from .schedules import make_schedule
-from .shuffle import Shuffler
-from .run_config import DEFAULT_DIVERGENCE_SNAPSHOT, DIVERGENCE_SNAPSHOTS, RunConfig
-from .update_order import UpdateOrder
+from microtrain.step.arena import held_bytes
+from microtrain.files.contracts import LossScaleState, PlannedRun, ShufflerState
+from microtrain.files.artifacts import load_artifacts
+from microtrain.data import Holding, batch_indices, check_ids, check_values, hold
+from microtrain.files.errors import UserError
+from microtrain.step.executor import Memory, Plan, Wrappers, check_supported, compile_plan, reorders
+from microtrain.files.graph import symbolic_batch
+from microtrain.files.format.wof import write_wof
+from microtrain.step.kernels.workspace import sharing
+from microtrain.step.lazy import (DEFAULT_EMBEDDING_UPDATE, RowSum, check_embedding_update,
+                                  check_lazy, lazy_tables)
+from microtrain.step.loss_scale import LossScale, make_loss_scale
+from microtrain.step.precision import Underflow
+from microtrain.files.quantization import quantize
+from microtrain.metrics import HIGHER_IS_BETTER, METRICS, bind, default_metric
+from microtrain.step.optimizers import make_optimizer
+from microtrain.step.output_loss import OutputLoss
+from microtrain.parameters import FROZEN_MODEL, resolve
+from microtrain.step.schedules import make_schedule
+from microtrain.shuffle import Shuffler
+from microtrain.run_config import DEFAULT_DIVERGENCE_SNAPSHOT, DIVERGENCE_SNAPSHOTS, RunConfig
+from microtrain.step.update_order import UpdateOrder
 
 
 def quiet(method):
@@ -114,7 +115,7 @@ class Trainer:
         """`batch_size`, `optimizer`, `epochs` (of `fit`) and the optimizer's
         hyperparameters default to the training parameters recorded in the frozen
         model (see microtrain.parameters).  `embedding_update`: how embedding
-        tables update (microtrain/lazy.py).  `divergence_snapshot`: where the
+        tables update (microtrain/step/lazy.py).  `divergence_snapshot`: where the
         weights a diverged run restores come from (DIVERGENCE_SNAPSHOTS).  `plain`:
         a model no split wrote runs as it is (load_artifacts)."""
         self.art = load_artifacts(frozen, wof, backprop, with_backprop, plain)

@@ -173,7 +173,7 @@ def alternate(workers: dict[str, Worker], rounds: int, epochs: int) -> dict[str,
 # -- model files ---------------------------------------------------------------------------
 def folded_copy(model: Path, out: Path) -> Path:
     """The model with a symbolic batch and its shape chains folded, as trainconf splits it."""
-    from microtrain.format.model import save_model
+    from microtrain.files.format.model import save_model
     from trainconf.split import graph_of, load_model, make_batch_symbolic
     m = load_model(model)
     make_batch_symbolic(m, graph_of(m))
@@ -292,7 +292,7 @@ def sequence_models(ws: Workspace, tf_python: str) -> Path:
 def bench_sequence(ws: Workspace, name: str, rounds: int, epochs: int, threads: int,
                    tf_python: str) -> dict:
     """microtrain, PyTorch eager and Keras fit training one sequence model, alternating."""
-    from microtrain.errors import UserError
+    from microtrain.files.errors import UserError
     from trainconf.split import split
     folder, (stem, arch) = sequence_models(ws, tf_python), SEQUENCE[name]
     try:
@@ -468,7 +468,7 @@ def _median_ms(fn, repeats: int = 5) -> float:
 
 def tool_times(folder: Path) -> dict:
     """Host-side times on MobileNetV2 (1.6 MB, 65 ops): load + save, and split."""
-    from microtrain.format.model import load_model, save_model
+    from microtrain.files.format.model import load_model, save_model
     from trainconf.split import split
     model = FIXTURES / "mobilenetv2.tflite"
     return {"load_save_ms": _median_ms(lambda: save_model(load_model(model), folder / "m.circle")),
@@ -698,7 +698,7 @@ def recompute_markdown(row: dict) -> str:
 
 def _write(path: Path | None, text: str) -> None:
     if path is not None:
-        from microtrain.atomic import atomic_write
+        from microtrain.files.atomic import atomic_write
         atomic_write(path, text.encode())
 
 

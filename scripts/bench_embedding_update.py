@@ -17,8 +17,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from microtrain.format.model import save_model
-from microtrain.graph import Graph, Op, Tensor
+from microtrain.files.format.model import save_model
+from microtrain.files.graph import Graph, Op, Tensor
 from microtrain.trainer import Trainer
 from trainconf.split import split
 from trainconf.writer import graph_to_model

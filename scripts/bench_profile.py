@@ -2,7 +2,7 @@
 
     python scripts/bench_profile.py FROZEN X.npy Y.npy [--batch 32] [--steps 8]
 
-times every closure of the prepared step (microtrain/executor.py's Plan) one by one
+times every closure of the prepared step (microtrain/step/executor.py's Plan) one by one
 over `steps` steps (after one warm-up step) and prints, for the forward and backprop
 graphs, the operator types by total time: calls per step, ms per step, µs per call.
 "Step overhead" is the rest of Trainer.train_batch (loading the batch, the update,
@@ -48,7 +48,7 @@ def plain_ms(step, steps: int) -> float:
               help="The optimizer of the step (the bench's sequence rows use adam).")
 @click.option("--top", default=15, show_default=True, help="Operator types shown per graph.")
 def main(frozen, x, y, batch, steps, optimizer, top):
-    from microtrain.session import load_data
+    from microtrain.commands.session import load_data
     from microtrain.trainer import Totals, Trainer
     trainer = Trainer(frozen, batch_size=batch, optimizer=optimizer)
     inputs, targets = trainer.data_types()

@@ -51,8 +51,8 @@ class Microtrain:
     def __init__(self, spec: dict):
         """Loads the data as `microtrain run` does: into arrays of the types of the
         tensors it is loaded into (float16 for an fp16 model's input)."""
-        from microtrain.loss_scale import make_loss_scale
-        from microtrain.session import load_data
+        from microtrain.step.loss_scale import make_loss_scale
+        from microtrain.commands.session import load_data
         from microtrain.shuffle import Shuffler
         from microtrain.trainer import Trainer
         self.trainer = Trainer(spec["frozen"], batch_size=spec["batch"],

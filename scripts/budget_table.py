@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from microtrain.errors import UserError
+from microtrain.files.errors import UserError
 from microtrain.trainer import Trainer
 from trainconf.split import split
 

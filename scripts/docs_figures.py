@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from microtrain.atomic import atomic_write  # noqa: E402
+from microtrain.files.atomic import atomic_write  # noqa: E402
 from update_docs import Runner, blocks, commands_output  # noqa: E402
 
 FIGURES = {ROOT / "docs" / "sweeps.md": ["/tmp/mt/digits_sweep.png"]}  # page: figures it draws

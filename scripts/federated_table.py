@@ -15,8 +15,8 @@ import click
 import numpy as np
 
 from microtrain.data import validation_split
-from microtrain.federated.settings import FederatedSettings
-from microtrain.federated.simulation import simulate
+from microtrain.commands.federated.settings import FederatedSettings
+from microtrain.commands.federated.simulation import simulate
 from microtrain.run_config import RunConfig
 from microtrain.shuffle import Shuffler
 from microtrain.trainer import Trainer

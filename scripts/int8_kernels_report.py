@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from test_int8_models import MODELS, batch_of, litert_output, sample_inputs  # noqa: E402
-from microtrain.format.model import load_model  # noqa: E402
-from microtrain.graph import graph_of  # noqa: E402
+from microtrain.files.format.model import load_model  # noqa: E402
+from microtrain.files.graph import graph_of  # noqa: E402
 from microtrain.trainer import Trainer  # noqa: E402
 
 

@@ -20,7 +20,7 @@ import click
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-from microtrain.graph import graph_of  # noqa: E402
+from microtrain.files.graph import graph_of  # noqa: E402
 from trainconf.split import split  # noqa: E402
 
 CACHE = Path(os.environ.get("TRAINCONF_REAL_MODELS", "/work/cache/real_models"))

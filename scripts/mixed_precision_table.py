@@ -10,8 +10,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from microtrain.format.wof import write_wof
-from microtrain.loss_scale import make_loss_scale
+from microtrain.files.format.wof import write_wof
+from microtrain.step.loss_scale import make_loss_scale
 from microtrain.trainer import Trainer
 from trainconf.split import split
 

@@ -38,7 +38,7 @@ def _trains(op) -> str:
 def table() -> str:
     """The markdown table: the registry's operators, and those that run only on
     int8 tensors (QUANTIZE, DEQUANTIZE)."""
-    from microtrain.kernels import INTEGER_KERNELS
+    from microtrain.step.kernels import INTEGER_KERNELS
     from trainconf.operators import OPERATORS
     rows = ["| operator | forward | int8 (docs/quantization.md) | gradient | folded | trains "
             "(weight; rows: can train some output channels; layer: scaled per layer by "

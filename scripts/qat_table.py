@@ -132,7 +132,7 @@ def litert_accuracy(frozen: Path, exported: Path, x_test, y_test) -> float:
 
 
 def _records_int8(frozen: Path) -> bool:
-    from microtrain.format.model import load_model
+    from microtrain.files.format.model import load_model
     from trainconf.int8 import has_record
     return has_record(load_model(frozen))
 

@@ -232,7 +232,7 @@ def run_model(model: Path, name: str, work: Path, env, learning_rates: list[floa
         if any(s.infer for s in result.specs.values()):
             pass  # the forward pass is the same for every spec: infer once
         else:
-            r.infer, _ = command(["microtrain.cli", "infer", frozen, *inputs, "-o", predicted],
+            r.infer, _ = command(["microtrain.commands.cli", "infer", frozen, *inputs, "-o", predicted],
                                  env, work)
         if r.infer and r.infer.status == "ok" and ys is not None:
             with np.load(predicted) as z:
@@ -252,7 +252,7 @@ def run_model(model: Path, name: str, work: Path, env, learning_rates: list[floa
 def train(r: SpecResult, arguments: list, rate: float, env, work: Path) -> None:
     """Two epochs of `microtrain run` at learning rate `rate`, recorded in r."""
     r.learning_rate = rate
-    r.run, summary = command(["microtrain.cli", "run", *arguments, "--epochs", EPOCHS,
+    r.run, summary = command(["microtrain.commands.cli", "run", *arguments, "--epochs", EPOCHS,
                               "--batch-size", SAMPLES, "--no-shuffle", "--learning-rate", rate,
                               "--save", "never", "--json"], env, work, json_out=True)
     r.initial_loss = r.final_loss = None

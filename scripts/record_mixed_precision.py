@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from mixed_precision_table import small_gradient_model  # noqa: E402
 
-from microtrain.loss_scale import make_loss_scale  # noqa: E402
+from microtrain.step.loss_scale import make_loss_scale  # noqa: E402
 from microtrain.trainer import Trainer  # noqa: E402
 from trainconf.budget import Choice  # noqa: E402
 from trainconf.select import layers, weighted_ops  # noqa: E402

@@ -217,7 +217,7 @@ def update_page(runner: Runner, page: Path) -> tuple[str, list[str]]:
 
 def main(argv: list[str]) -> int:
     sys.path.insert(0, str(ROOT))
-    from microtrain.atomic import atomic_write
+    from microtrain.files.atomic import atomic_write
     check = "--check" in argv
     stale = []
     with tempfile.TemporaryDirectory() as scratch:

@@ -22,10 +22,11 @@ import numpy as np
 from click.testing import CliRunner
 from hypothesis import strategies as st
 
-from microtrain.artifacts import GraphLinks, UNSEALED, fingerprint, seal
-from microtrain.cli import main as microtrain
-from microtrain.format.model import get_metadata, model_from_bytes, model_to_bytes, set_metadata
-from microtrain.format import circle_generated as circle
+from microtrain.files.artifacts import GraphLinks, UNSEALED, fingerprint, seal
+from microtrain.commands.cli import main as microtrain
+from microtrain.files.format.model import (get_metadata, model_from_bytes, model_to_bytes,
+                                           set_metadata)
+from microtrain.files.format import circle_generated as circle
 from trainconf.cli import main as trainconf
 from trainconf.split import split
 

@@ -2,7 +2,7 @@
 against central finite differences of its forward kernel in float64."""
 import numpy as np
 
-from microtrain.kernels import build
+from microtrain.step.kernels import build
 
 
 def run(name, inputs, out_shapes, dtype=np.float64, **options):

@@ -6,8 +6,9 @@ from pathlib import Path
 import numpy as np
 from ai_edge_litert.interpreter import Interpreter
 
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import add_operator_code, buffer_array, load_model, model_to_bytes
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import (add_operator_code, buffer_array, load_model,
+                                           model_to_bytes)
 from trainconf.constants import is_quantized
 
 CLIP = 1e-7  # keras.config.epsilon(), the probability clip of cross-entropy

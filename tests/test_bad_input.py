@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from microtrain.format.model import load_model
-from microtrain.format.wof import wof_to_bytes
+from microtrain.files.format.model import load_model
+from microtrain.files.format.wof import wof_to_bytes
 from model_patch import FIXTURES
 
 TRAINCONF = shutil.which("trainconf")
@@ -62,9 +62,9 @@ def test_missing_file(trainconf, tmp_path):
 # both command lines share, reading the .wof as microtrain does.
 WOF_PROGRAM = """
 import sys, click
-from microtrain.cli_common import CommandGroup
-from microtrain.format.model import load_model
-from microtrain.format.wof import read_wof
+from microtrain.commands.cli_common import CommandGroup
+from microtrain.files.format.model import load_model
+from microtrain.files.format.wof import read_wof
 
 @click.group(cls=CommandGroup)
 def main():

@@ -5,9 +5,9 @@ time.  Gradients are checked against PyTorch float64 at batch sizes above 1."""
 import numpy as np
 import pytest
 
-from microtrain.errors import UserError
-from microtrain.format.model import load_model
-from microtrain.graph import graph_of, symbolic_batch
+from microtrain.files.errors import UserError
+from microtrain.files.format.model import load_model
+from microtrain.files.graph import graph_of, symbolic_batch
 from microtrain.trainer import Trainer
 from test_split_gradients import RNG, GraphMaker, check_gradients
 from torch_reference import reference_gradients

@@ -11,10 +11,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from microtrain import precision
-from microtrain.errors import UserError
-from microtrain.loss_scale import make_loss_scale
-from microtrain.precision import narrow, round_in_place
+from microtrain.step import precision
+from microtrain.files.errors import UserError
+from microtrain.step.loss_scale import make_loss_scale
+from microtrain.step.precision import narrow, round_in_place
 from microtrain.trainer import Trainer
 from test_memory_plan import data
 from trainconf.split import split
@@ -92,7 +92,7 @@ def test_bf16_without_ml_dtypes_is_a_one_line_error(monkeypatch):
 def test_only_a_bf16_run_loads_ml_dtypes(tmp_path):
     x, y = FIXTURES / "digits_x.npy", FIXTURES / "digits_onehot.npy"
     code = ("import json, sys\n"
-            "from microtrain.cli import main\n"
+            "from microtrain.commands.cli import main\n"
             "main(sys.argv[1:], standalone_mode=False)\n"
             "print(json.dumps('ml_dtypes' in sys.modules))")
     for p in ("fp16", "bf16"):

@@ -5,11 +5,11 @@ import zipfile
 import numpy as np
 import pytest
 
-from microtrain.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from microtrain.contracts import LossScaleState, RunState, ShufflerState
+from microtrain.commands.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from microtrain.files.contracts import LossScaleState, RunState, ShufflerState
 from microtrain.data import batch_indices
-from microtrain.errors import UserError
-from microtrain.optimizers import make_optimizer
+from microtrain.files.errors import UserError
+from microtrain.step.optimizers import make_optimizer
 from microtrain.shuffle import Shuffler
 from microtrain.trainer import TrainerState
 
@@ -173,7 +173,7 @@ def test_non_finite_parameters_are_never_written(saved):
 
 def test_a_trainer_restored_from_its_state_continues_exactly(tmp_path):
     from pathlib import Path
-    from microtrain.loss_scale import make_loss_scale
+    from microtrain.step.loss_scale import make_loss_scale
     from microtrain.trainer import Trainer
     from trainconf.split import split
     fixtures = Path(__file__).parent / "fixtures"

@@ -10,11 +10,12 @@ import pytest
 from click.testing import CliRunner
 from onert.native import libnnfw_api_pybind as nnfw
 
-from microtrain.artifacts import load_artifacts
-from microtrain.cli import main as microtrain_main
-from microtrain.errors import UserError
-from microtrain.format import circle_traininfo_generated as ct
-from microtrain.format.model import get_metadata, load_model, op_name, save_model, set_metadata
+from microtrain.files.artifacts import load_artifacts
+from microtrain.commands.cli import main as microtrain_main
+from microtrain.files.errors import UserError
+from microtrain.files.format import circle_traininfo_generated as ct
+from microtrain.files.format.model import (get_metadata, load_model, op_name, save_model,
+                                           set_metadata)
 from model_patch import FIXTURES
 from trainconf.circle_plus import (METADATA, CirclePlus, circle_plus_bytes, read_circle_plus,
                                    set_circle_plus, to_circle_plus)

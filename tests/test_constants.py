@@ -9,11 +9,11 @@ import pytest
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
 from litert_reference import dequantized_in_front
-from microtrain.artifacts import load_artifacts
-from microtrain.errors import UserError
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import (add_operator_code, buffer_array, load_model, model_to_bytes,
-                                     op_name)
+from microtrain.files.artifacts import load_artifacts
+from microtrain.files.errors import UserError
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import (add_operator_code, buffer_array, load_model,
+                                           model_to_bytes, op_name)
 from microtrain.trainer import Trainer
 from trainconf.constants import is_quantized, resolve_constants
 from trainconf.inspect import describe

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from microtrain.artifacts import UNSEALED, load_artifacts, seal
-from microtrain.cli import main
-from microtrain.contracts import (GraphLinks, LossScaleState, MemoryPlan, TrainingMeta,
-                                  parse_json)
-from microtrain.errors import ContractError, UserError
-from microtrain.format.model import get_metadata, load_model, model_to_bytes, set_metadata
+from microtrain.files.artifacts import UNSEALED, load_artifacts, seal
+from microtrain.commands.cli import main
+from microtrain.files.contracts import (GraphLinks, LossScaleState, MemoryPlan, TrainingMeta,
+                                        parse_json)
+from microtrain.files.errors import ContractError, UserError
+from microtrain.files.format.model import get_metadata, load_model, model_to_bytes, set_metadata
 from model_patch import FIXTURES
 from trainconf.split import split
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from microtrain.data import batch_indices, load_array, validation_split
-from microtrain.errors import UserError
+from microtrain.files.errors import UserError
 from microtrain.shuffle import Shuffler
 
 
@@ -146,7 +146,7 @@ def test_runtime_keeps_heavy_modules_out():
     imported by the runtime: it shuffles and fingerprints without them."""
     import subprocess
     import sys
-    code = ("import sys, microtrain.cli, microtrain.session, microtrain.trainer; "
+    code = ("import sys, microtrain.commands.cli, microtrain.commands.session, microtrain.trainer; "
             "print(sorted({'numpy.random', '_hashlib'} & set(sys.modules)))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from microtrain.cli import main as microtrain_cli
+from microtrain.commands.cli import main as microtrain_cli
 from trainconf.split import split
 
 ROOT = Path(__file__).resolve().parent.parent

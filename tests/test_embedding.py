@@ -8,11 +8,11 @@ import torch
 from click.testing import CliRunner
 
 from kernel_check import run
-from microtrain.cli import main
+from microtrain.commands.cli import main
 from microtrain.data import load_array
-from microtrain.errors import UserError
-from microtrain.graph import Graph
-from microtrain.kernels import build
+from microtrain.files.errors import UserError
+from microtrain.files.graph import Graph
+from microtrain.step.kernels import build
 from microtrain.trainer import Trainer
 from test_split_gradients import GraphMaker, check_gradients
 from tflite_op import tflite_run

@@ -9,9 +9,9 @@ import torch
 from click.testing import CliRunner
 
 from kernel_check import run
-from microtrain.cli import main
-from microtrain.errors import UserError
-from microtrain.loss_scale import make_loss_scale
+from microtrain.commands.cli import main
+from microtrain.files.errors import UserError
+from microtrain.step.loss_scale import make_loss_scale
 from microtrain.trainer import Trainer
 from test_embedding import classifier
 from test_split_gradients import GraphMaker
@@ -165,7 +165,7 @@ def test_only_tables_go_lazy_and_what_lazy_cannot_do_is_refused(model, tmp_path)
 
 @pytest.mark.parametrize("accum_steps", [1, 3])
 def test_planned_peak_is_what_a_lazy_run_holds_and_less_than_dense(tmp_path, accum_steps):
-    from microtrain import session
+    from microtrain.commands import session
     from microtrain.run_config import RunConfig
     m = GraphMaker()
     x, y, _ = classifier(m, "GATHER", vocab=5000, steps=STEPS, dim=16)

@@ -13,7 +13,7 @@ from ai_edge_litert.interpreter import OpResolverType
 from click.testing import CliRunner
 
 from litert_reference import keras_loss
-from microtrain.cli import main
+from microtrain.commands.cli import main
 from trainconf.split import split
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -10,12 +10,12 @@ import pytest
 from ai_edge_litert.interpreter import Interpreter
 from click.testing import CliRunner
 
-from microtrain.artifacts import TRAINING_META, load_artifacts, sibling
-from microtrain.errors import UserError
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import get_metadata, load_model, save_model
-from microtrain.format.wof import write_wof
-from microtrain.graph import BATCH, graph_of
+from microtrain.files.artifacts import TRAINING_META, load_artifacts, sibling
+from microtrain.files.errors import UserError
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import get_metadata, load_model, save_model
+from microtrain.files.format.wof import write_wof
+from microtrain.files.graph import BATCH, graph_of
 from microtrain.trainer import Trainer
 from model_patch import FIXTURES, MODELS
 from trainconf.cli import main

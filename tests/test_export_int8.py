@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from microtrain.artifacts import sibling
-from microtrain.contracts import Quantization
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import (buffer_array, load_model, op_name, save_model,
-                                     set_builtin_options, set_metadata)
-from microtrain.format.wof import read_wof, write_wof
-from microtrain.graph import Op
+from microtrain.files.artifacts import sibling
+from microtrain.files.contracts import Quantization
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import (buffer_array, load_model, op_name, save_model,
+                                           set_builtin_options, set_metadata)
+from microtrain.files.format.wof import read_wof, write_wof
+from microtrain.files.graph import Op
 from microtrain.trainer import Trainer
 from model_patch import FIXTURES
 from test_hardening import _one_error

@@ -7,8 +7,8 @@ import onert.infer
 import pytest
 from ai_edge_litert.interpreter import Interpreter
 
-from microtrain.format.model import load_model, model_to_bytes
-from microtrain.graph import BATCH, Graph, Op, Tensor, graph_of
+from microtrain.files.format.model import load_model, model_to_bytes
+from microtrain.files.graph import BATCH, Graph, Op, Tensor, graph_of
 from microtrain.trainer import Trainer
 from test_real_models import CACHED, FIXTURE_PARAMS
 from token_inputs import one_hot_targets, sample_inputs

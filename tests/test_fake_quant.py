@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from kernel_check import run
-from microtrain.graph import Graph, Op, Tensor
-from microtrain.kernels.fake_quant import levels_problem, nudged_range, range_of, scale_zero_point
-from microtrain.precision import widen
-from microtrain.quantization import Quantization
+from microtrain.files.graph import Graph, Op, Tensor
+from microtrain.step.kernels.fake_quant import (levels_problem, nudged_range, range_of,
+                                                scale_zero_point)
+from microtrain.step.precision import widen
+from microtrain.files.quantization import Quantization
 from tflite_op import tflite_run
 
 RANGES = [(-1.3, 2.1), (0.0, 6.0), (-0.4, 0.0), (0.3, 5.0)]  # the last nudged to include 0

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from microtrain.errors import UserError
-from microtrain.federated.partition import class_labels, partition
-from microtrain.federated.settings import CONFIG_KEY, RUN_OPTIONS, FederatedSettings
+from microtrain.files.errors import UserError
+from microtrain.commands.federated.partition import class_labels, partition
+from microtrain.commands.federated.settings import CONFIG_KEY, RUN_OPTIONS, FederatedSettings
 from microtrain.run_config import RunConfig
 from microtrain.trainer import Trainer
 from trainconf.split import split
@@ -95,9 +95,9 @@ flwr = pytest.importorskip("flwr")
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
-from microtrain.federated import client_app  # noqa: E402
-from microtrain.federated.server_app import _finish  # noqa: E402
-from microtrain.federated.wire import WireGrid, from_record, to_record  # noqa: E402
+from microtrain.commands.federated import client_app  # noqa: E402
+from microtrain.commands.federated.server_app import _finish  # noqa: E402
+from microtrain.commands.federated.wire import WireGrid, from_record, to_record  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -220,11 +220,11 @@ def test_server_writes_the_best_weights_only_if_they_beat_the_start(frozen, tmp_
 
 # -- the command line ---------------------------------------------------------------------------
 def test_cli_imports_no_flower_and_explains_a_missing_extra(frozen):
-    code = ("import sys; import microtrain.cli; "
+    code = ("import sys; import microtrain.commands.cli; "
             "assert not [m for m in sys.modules if m.split('.')[0] in ('flwr', 'ray')]; "
             "sys.modules['flwr'] = None; "
             f"sys.argv = ['microtrain', 'federated', {str(frozen)!r}, '--input', {str(X)!r}, "
-            f"'--target', {str(Y)!r}, '--validation-split', '0.2']; microtrain.cli.main()")
+            f"'--target', {str(Y)!r}, '--validation-split', '0.2']; microtrain.commands.cli.main()")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr.strip().splitlines() == [
@@ -235,7 +235,7 @@ def test_cli_imports_no_flower_and_explains_a_missing_extra(frozen):
 def test_write_app_gives_flwr_an_app_with_absolute_paths(frozen, tmp_path, monkeypatch):
     import tomli
     from click.testing import CliRunner
-    from microtrain.cli import main
+    from microtrain.commands.cli import main
     monkeypatch.chdir(X.parent)
     result = CliRunner().invoke(main, ["federated", str(frozen), "--input", X.name, "--target",
                                        Y.name, "--validation-split", "0.2", "--clients", "3",
@@ -243,7 +243,7 @@ def test_write_app_gives_flwr_an_app_with_absolute_paths(frozen, tmp_path, monke
     assert result.exit_code == 0, result.output
     doc = tomli.loads((tmp_path / "app" / "pyproject.toml").read_text())
     app = doc["tool"]["flwr"]["app"]
-    assert app["components"] == {"serverapp": "microtrain.federated.server_app:app",
-                                 "clientapp": "microtrain.federated.client_app:app"}
+    assert app["components"] == {"serverapp": "microtrain.commands.federated.server_app:app",
+                                 "clientapp": "microtrain.commands.federated.client_app:app"}
     settings = FederatedSettings.from_json(app["config"][CONFIG_KEY])
     assert settings.run.inputs == (str(X),) and settings.clients == 3

@@ -44,7 +44,7 @@ def simulation(frozen):
     wof = frozen.with_name("mlp.wof")
     before = wof.stat().st_ino, held_out_accuracy(frozen, wof)
     out = subprocess.run(
-        [sys.executable, "-m", "microtrain.cli", "federated", str(frozen), "--input", str(X),
+        [sys.executable, "-m", "microtrain.commands.cli", "federated", str(frozen), "--input", str(X),
          "--target", str(Y), "--validation-split", "0.2", "--clients", "4", "--rounds", "3",
          "--fraction", "0.5", "--partition", "dirichlet:0.5", "--local-epochs", "2",
          "--transmit", "fp16", "--evaluate-fraction", "0.5", "--workers", "2", "--json"],
@@ -126,8 +126,8 @@ def wait_for(log: Path, pattern: str, count: int = 1, timeout: float = 60) -> st
 
 
 def test_deployment_over_loopback_survives_a_killed_device(frozen, tmp_path):
-    from microtrain.federated.deployment import write_app
-    from microtrain.federated.settings import FederatedSettings
+    from microtrain.commands.federated.deployment import write_app
+    from microtrain.commands.federated.settings import FederatedSettings
     from microtrain.run_config import RunConfig
     out = tmp_path / "global.wof"
     run = RunConfig(str(frozen), inputs=(str(X),), targets=(str(Y),), validation_split=0.2,

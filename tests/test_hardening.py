@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import microtrain.atomic as atomic
-from microtrain.artifacts import load_artifacts
-from microtrain.cli import main as microtrain
-from microtrain.errors import TornSetError, UserError
-from microtrain.format.wof import read_wof
-from microtrain.format.model import load_model
+import microtrain.files.atomic as atomic
+from microtrain.files.artifacts import load_artifacts
+from microtrain.commands.cli import main as microtrain
+from microtrain.files.errors import TornSetError, UserError
+from microtrain.files.format.wof import read_wof
+from microtrain.files.format.model import load_model
 from model_patch import FIXTURES
 from trainconf.cli import main as trainconf
 from trainconf.split import split
@@ -295,7 +295,7 @@ def test_kill_9_during_save_leaves_old_or_new_weights_and_no_temporaries(tmp_pat
     model = tmp_path / "mlp.tflite"
     shutil.copy(FIXTURES / "mlp.tflite", model)
     files = split(model)
-    command = [sys.executable, "-m", "microtrain.cli", *map(str, _run(
+    command = [sys.executable, "-m", "microtrain.commands.cli", *map(str, _run(
         files.frozen, "--epochs", "3", "--save", "always", "--checkpoint", tmp_path / "run.ckpt"))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     full = subprocess.run(command, env=env, capture_output=True, timeout=120)

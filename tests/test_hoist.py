@@ -50,9 +50,9 @@ def test_the_steps_input_projections_are_one_product(name, projections, bias, tm
 def test_a_weight_read_by_every_step_is_copied_transposed_and_follows_updates(tmp_path,
                                                                               monkeypatch):
     """The recurrent kernel, read by each step's FULLY_CONNECTED, is read through a
-    transposed copy (microtrain/executor.py): training with it follows training
+    transposed copy (microtrain/step/executor.py): training with it follows training
     without it, so the copy is refreshed after every update."""
-    import microtrain.executor
+    import microtrain.step.executor
     frozen = split(LOOPS / "lstm.tflite", tmp_path, loss="mse").frozen
     x = RNG.normal(size=(8, 5, 3)).astype(np.float32)
     t = RNG.normal(size=(8, 3)).astype(np.float32)
@@ -65,7 +65,8 @@ def test_a_weight_read_by_every_step_is_copied_transposed_and_follows_updates(tm
     trainer.predict([x])
     assert any(s.func is np.copyto for s in trainer.plan(4).forward[:1])
     copied = fit()
-    monkeypatch.setattr(microtrain.executor, "_transposed_weights", lambda g, arrays: (arrays, []))
+    monkeypatch.setattr(microtrain.step.executor, "_transposed_weights",
+                        lambda g, arrays: (arrays, []))
     plain = fit()
     assert copied[-1] < 0.95 * copied[0]  # the weights moved (a stale copy drifts by ~1e-2)
     np.testing.assert_allclose(copied, plain, rtol=1e-6)

@@ -8,8 +8,8 @@ import pytest
 import tflite
 from click.testing import CliRunner
 
-from microtrain.errors import UserError
-from microtrain.format.model import load_model
+from microtrain.files.errors import UserError
+from microtrain.files.format.model import load_model
 from model_patch import FIXTURES, MODELS, patch_field, patch_vector_item
 from trainconf.cli import main
 from trainconf.importer import import_tflite

@@ -7,9 +7,9 @@ import tflite
 from click.testing import CliRunner
 from tflite.utils import opcode2name
 
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import (add_operator_code, load_model, model_from_bytes,
-                                     model_to_bytes, set_custom_options)
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import (add_operator_code, load_model, model_from_bytes,
+                                           model_to_bytes, set_custom_options)
 from model_patch import FIXTURES, MODELS
 from trainconf.cli import main
 from trainconf.inspect import describe, render_text

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from microtrain.cli import main as microtrain
-from microtrain.format.model import load_model, model_to_bytes
-from microtrain.graph import Graph, Op, Tensor, graph_of
-from microtrain.quantization import Quantization, dequantize, quantize
+from microtrain.commands.cli import main as microtrain
+from microtrain.files.format.model import load_model, model_to_bytes
+from microtrain.files.graph import Graph, Op, Tensor, graph_of
+from microtrain.files.quantization import Quantization, dequantize, quantize
 from microtrain.trainer import Trainer
 from litert_reference import interpreter_outputs
 from tflite_op import interpreter, tflite_run

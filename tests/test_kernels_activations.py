@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from kernel_check import numeric_grad, run
-from microtrain.errors import OperatorError
-from microtrain.kernels import build
-from microtrain.kernels.activations import fused_activation
+from microtrain.files.errors import OperatorError
+from microtrain.step.kernels import build
+from microtrain.step.kernels.activations import fused_activation
 
 rng = np.random.default_rng(7)
 

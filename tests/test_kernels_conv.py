@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from kernel_check import numeric_grad, run
-from microtrain.errors import OperatorError
-from microtrain.kernels import build
+from microtrain.files.errors import OperatorError
+from microtrain.step.kernels import build
 
 SAME, VALID = 0, 1
 ACTIVATIONS = {0: lambda t: t, 1: torch.relu, 2: lambda t: t.clamp(-1, 1),

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_check import numeric_grad, run
-from microtrain.kernels import build
+from microtrain.step.kernels import build
 
 rng = np.random.default_rng(11)
 ACT = {0: lambda t: t, 1: torch.relu, 2: lambda t: t.clamp(-1, 1),

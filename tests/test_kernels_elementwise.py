@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kernel_check import numeric_grad, run
-from microtrain.errors import OperatorError
-from microtrain.kernels import build
+from microtrain.files.errors import OperatorError
+from microtrain.step.kernels import build
 
 rng = np.random.default_rng(5)
 BINARY = {"ADD": torch.add, "SUB": torch.sub, "MUL": torch.mul, "DIV": torch.div}

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kernel_check import run
-from microtrain.errors import OperatorError, UserError
-from microtrain.graph import Graph, Op, Tensor
-from microtrain.kernels import version_problem
+from microtrain.files.errors import OperatorError, UserError
+from microtrain.files.graph import Graph, Op, Tensor
+from microtrain.step.kernels import version_problem
 from trainconf.support import check_forward
 
 rng = np.random.default_rng(5)

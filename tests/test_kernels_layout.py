@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernel_check import numeric_grad, run
-from microtrain.kernels import build
+from microtrain.step.kernels import build
 from tflite_op import tflite_run
 
 rng = np.random.default_rng(13)

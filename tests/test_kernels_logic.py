@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernel_check import numeric_grad, run
-from microtrain.errors import OperatorError
+from microtrain.files.errors import OperatorError
 from tflite_op import tflite_run
 
 rng = np.random.default_rng(18)

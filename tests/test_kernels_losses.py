@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from kernel_check import numeric_grad, run
-from microtrain.errors import OperatorError
-from microtrain.kernels import build
-from microtrain.loss_registry import LOSS_NAMES as LOSSES  # every loss is checked
+from microtrain.files.errors import OperatorError
+from microtrain.step.kernels import build
+from microtrain.files.loss_registry import LOSS_NAMES as LOSSES  # every loss is checked
 
 rng = np.random.default_rng(23)
 EPS = 1e-7

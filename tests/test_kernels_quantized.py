@@ -4,11 +4,11 @@ per-channel weights, every fused activation with an integer form."""
 import numpy as np
 import pytest
 
-from microtrain.errors import OperatorError
-from microtrain.fixedpoint import (divide_by_pot, doubling_high_mul,
-                                   multiply_by_quantized_multiplier, quantize_multiplier)
-from microtrain.kernels import build
-from microtrain.quantization import OpQuantization, Quantization, dequantize, quantize
+from microtrain.files.errors import OperatorError
+from microtrain.step.fixedpoint import (divide_by_pot, doubling_high_mul,
+                                        multiply_by_quantized_multiplier, quantize_multiplier)
+from microtrain.step.kernels import build
+from microtrain.files.quantization import OpQuantization, Quantization, dequantize, quantize
 from tflite_op import tflite_run
 
 rng = np.random.default_rng(21)

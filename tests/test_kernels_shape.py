@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from kernel_check import numeric_grad, run
-from microtrain.errors import OperatorError
-from microtrain.kernels import build
+from microtrain.files.errors import OperatorError
+from microtrain.step.kernels import build
 
 rng = np.random.default_rng(3)
 

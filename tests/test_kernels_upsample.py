@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kernel_check import numeric_grad, run
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import options_dict, set_custom_options
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import options_dict, set_custom_options
 from tflite_op import tflite_run
 from torch_reference import _resize, transpose_conv
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from microtrain.errors import UserError
-from microtrain.format.model import load_model
+from microtrain.files.errors import UserError
+from microtrain.files.format.model import load_model
 from microtrain.trainer import Trainer
 from test_split_gradients import GraphMaker
 from trainconf.inspect import describe

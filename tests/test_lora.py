@@ -9,10 +9,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from microtrain.cli import main as microtrain
-from microtrain.format.model import load_model
-from microtrain.format.wof import write_wof
-from microtrain.graph import graph_of
+from microtrain.commands.cli import main as microtrain
+from microtrain.files.format.model import load_model
+from microtrain.files.format.wof import write_wof
+from microtrain.files.graph import graph_of
 from microtrain.trainer import Trainer
 from model_patch import FIXTURES
 from test_export import run_litert, run_onert

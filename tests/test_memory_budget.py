@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from microtrain.format.wof import read_wof
-from microtrain.format.model import load_model
+from microtrain.files.format.wof import read_wof
+from microtrain.files.format.model import load_model
 from microtrain.trainer import Trainer
 from test_memory_plan import DATA, data
 from trainconf.budget import Choice, parse_size, smallest

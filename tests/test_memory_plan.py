@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from microtrain.arena import linear
-from microtrain.artifacts import BACKPROP_META, UNSEALED, fingerprint, load_artifacts, seal
-from microtrain.contracts import TrainingMeta
-from microtrain.errors import UserError
-from microtrain.format.model import get_metadata, load_model, model_to_bytes, set_metadata
-from microtrain.graph import concrete_shape
-from microtrain.kernels import OVERWRITES
+from microtrain.step.arena import linear
+from microtrain.files.artifacts import BACKPROP_META, UNSEALED, fingerprint, load_artifacts, seal
+from microtrain.files.contracts import TrainingMeta
+from microtrain.files.errors import UserError
+from microtrain.files.format.model import get_metadata, load_model, model_to_bytes, set_metadata
+from microtrain.files.graph import concrete_shape
+from microtrain.step.kernels import OVERWRITES
 from microtrain.run_config import DIVERGENCE_SNAPSHOTS
 from microtrain.trainer import Trainer
 from trainconf.cli import main
@@ -327,7 +327,7 @@ def test_planned_peak_is_what_a_run_holds(tmp_path, name):
     """`microtrain run` after `trainconf split` with the same batch size, optimizer,
     accumulation and loss scale: the run holds at most the planned peak, and at
     least 98% of it, whatever test set or partial batches it uses."""
-    from microtrain import session
+    from microtrain.commands import session
     from microtrain.run_config import RunConfig
     model, split_options, run_options = RUNS[name]
     result = split(FIXTURES / f"{model}.tflite", tmp_path, **split_options)
@@ -349,7 +349,7 @@ def test_a_failing_step_is_named_by_its_own_operator(failing):
     """_run finds the index of the step that raised (it runs without enumerate)."""
     from types import SimpleNamespace
 
-    from microtrain.executor import _run
+    from microtrain.step.executor import _run
 
     def step(i):
         def run():
@@ -419,7 +419,7 @@ def test_the_snapshot_in_ram_restores_the_epochs_start(tmp_path):
 def test_a_snapshot_in_ram_is_planned(tmp_path):
     """`microtrain run --divergence-snapshot ram` holds what `inspect` plans for it:
     4 bytes per trained weight more than the split's plan."""
-    from microtrain import session
+    from microtrain.commands import session
     from microtrain.run_config import RunConfig
     from trainconf.inspect import planned_memory
     result = split(FIXTURES / "mlp.tflite", tmp_path)
@@ -436,8 +436,8 @@ def test_a_snapshot_in_ram_is_planned(tmp_path):
 def test_a_wof_replaced_while_loading_is_refused(tmp_path):
     """The frozen rows are mapped by name after the .wof was read: a file put in
     its place in between is refused, not trained on."""
-    from microtrain.executor import Memory
-    from microtrain.format.wof import write_wof
+    from microtrain.step.executor import Memory
+    from microtrain.files.format.wof import write_wof
     path = FIXTURES / "mlp.tflite"
     result = split(path, tmp_path, memory_budget=budget_between(path, tmp_path, "biases", "last:1"),
                    recompute="none")
@@ -667,14 +667,14 @@ def _without_planned_for(frozen: Path, folder: Path) -> Path:
 
 def _run(frozen: Path, *options: str):
     x, t = (str(FIXTURES / f"{f}.npy") for f in FILES["mlp"])
-    from microtrain.cli import main as microtrain_main
+    from microtrain.commands.cli import main as microtrain_main
     return CliRunner().invoke(microtrain_main, [
         "run", str(frozen), "--input", x, "--target", t, "--epochs", "1", "--seed", "0",
         "--json", "--output-wof", str(frozen.with_name("out.wof")), *options])
 
 
 def test_a_run_other_than_planned_says_so_in_one_line(tmp_path):
-    from microtrain.contracts import PlannedRun
+    from microtrain.files.contracts import PlannedRun
     result = split(FIXTURES / "mlp.tflite", tmp_path, loss_scale="128", accum_steps=2)
     assert load_artifacts(result.frozen).training.planned_for == PlannedRun("static", 2, "dense")
     inspected = json.loads(CliRunner().invoke(main, ["inspect", str(result.frozen),

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from microtrain.cli import main
-from microtrain.format.model import load_model
-from microtrain.format.wof import read_wof
+from microtrain.commands.cli import main
+from microtrain.files.format.model import load_model
+from microtrain.files.format.wof import read_wof
 from microtrain.trainer import Trainer
 from trainconf.split import split
 
@@ -157,7 +157,7 @@ def _bad_cases(frozen: Path, tmp: Path):
 def test_bad_input_is_one_error_line_and_the_wof_is_untouched(frozen, tmp_path, case):
     args, expected = _bad_cases(frozen, tmp_path)[case]
     before = wof_of(frozen).read_bytes()
-    result = subprocess.run([sys.executable, "-m", "microtrain.cli", "run", str(frozen),
+    result = subprocess.run([sys.executable, "-m", "microtrain.commands.cli", "run", str(frozen),
                              "--target", str(Y), *map(str, args), "--epochs", "1", "--save", "always"],
                             capture_output=True, text=True)
     assert result.returncode != 0

@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from microtrain.executor import Plan
-from microtrain.format.model import load_model, model_to_bytes, op_name
-from microtrain.loss_scale import make_loss_scale
+from microtrain.step.executor import Plan
+from microtrain.files.format.model import load_model, model_to_bytes, op_name
+from microtrain.step.loss_scale import make_loss_scale
 from microtrain.trainer import Trainer
 from trainconf.split import split
 
@@ -135,7 +135,7 @@ def test_fp16_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path):
     working copy of the weights."""
     import json
     from click.testing import CliRunner
-    from microtrain.cli import main
+    from microtrain.commands.cli import main
     frozen = split(FIXTURES / "mlp.tflite", tmp_path, precision="fp16").frozen
     common = ["run", str(frozen), "--input", str(FIXTURES / "digits_x.npy"), "--target",
               str(FIXTURES / "digits_onehot.npy"), "--json", "--seed", "3", "--save", "never",
@@ -169,8 +169,8 @@ def test_tiled_fp16_ops_train_as_whole_ones(tmp_path, monkeypatch, model):
     forced here on the cnn with tiny tiles, the losses match whole-batch runs up
     to float32 summation order, and the tiles hold less scratch; an absent optional
     input (a bias) stays absent in every tile."""
-    import microtrain.executor as executor
-    import microtrain.row_tiles as row_tiles
+    import microtrain.step.executor as executor
+    import microtrain.step.row_tiles as row_tiles
     source = FIXTURES / "cnn.tflite" if model == "cnn" else _without_dense_bias(tmp_path)
     frozen = split(source, tmp_path, precision="fp16").frozen
     x, y = np.load(FIXTURES / "digits_images.npy")[:300], np.load(FIXTURES / "digits_onehot.npy")[:300]

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import tflite
 
-from microtrain.errors import UserError
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import (add_operator_code, buffer_array, get_metadata, load_model,
-                                     model_from_bytes, model_to_bytes, op_name, options_dict,
-                                     save_model, set_builtin_options, set_custom_options,
-                                     set_metadata, tensor_dtype)
+from microtrain.files.errors import UserError
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import (add_operator_code, buffer_array, get_metadata,
+                                           load_model, model_from_bytes, model_to_bytes, op_name,
+                                           options_dict, save_model, set_builtin_options,
+                                           set_custom_options, set_metadata, tensor_dtype)
 from model_patch import FIXTURES, MODELS, patch_field, patch_vector_item
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "circle.fbs"

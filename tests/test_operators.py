@@ -2,10 +2,10 @@
 runtime's kernels (docs/operators.md's table generated from it: tests/test_docs.py)."""
 from pathlib import Path
 
-from microtrain.artifacts import load_artifacts
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import enum_names, load_model, op_name
-from microtrain.kernels import KERNELS
+from microtrain.files.artifacts import load_artifacts
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import enum_names, load_model, op_name
+from microtrain.step.kernels import KERNELS
 from trainconf.operators import OPERATORS, ROW_GRADS, spec
 from trainconf.split import split
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from microtrain.errors import UserError
-from microtrain.optimizers import DEFAULTS, OPTIMIZERS, make_optimizer
+from microtrain.files.errors import UserError
+from microtrain.step.optimizers import DEFAULTS, OPTIMIZERS, make_optimizer
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "keras_optimizer_steps.json").read_text())
 RUNS = {run["optimizer"]: run for run in FIXTURE["runs"]}

@@ -9,7 +9,8 @@ from pathlib import Path
 from trainconf.split import split
 
 FIXTURES = Path(__file__).parent / "fixtures"
-EXTRAS = ["matplotlib", "optuna", "threadpoolctl", "ml_dtypes", "microtrain.sweep", "microtrain.plot"]
+EXTRAS = ["matplotlib", "optuna", "threadpoolctl", "ml_dtypes", "microtrain.commands.sweep",
+          "microtrain.commands.plot"]
 RUNTIME = {"microtrain", "numpy", "flatbuffers", "click"}
 
 
@@ -21,7 +22,7 @@ def _python(code: str, *args: str):
 
 
 def test_importing_the_cli_loads_no_extra():
-    loaded = _python("import json, sys, microtrain.cli; "
+    loaded = _python("import json, sys, microtrain.commands.cli; "
                      f"print(json.dumps(sorted(set({EXTRAS!r}) & set(sys.modules))))")
     assert loaded == []
 
@@ -37,7 +38,7 @@ def test_run_eval_infer_load_only_numpy_flatbuffers_and_click(tmp_path):
             "def tops():\n"
             "    return {m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names)\n"
             "before = tops()\n"
-            "from microtrain.cli import main\n"
+            "from microtrain.commands.cli import main\n"
             "main(sys.argv[1:], standalone_mode=False)\n"
             "print(json.dumps(sorted(tops() - before)))")
     for args in commands:

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 from matplotlib.image import imread
 
-from microtrain import plot
-from microtrain.cli import main
+from microtrain.commands import plot
+from microtrain.commands.cli import main
 from trainconf.split import split
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -5,8 +5,8 @@ float16 bit pattern."""
 import numpy as np
 import pytest
 
-from microtrain.precision import (CHUNK, SMALL, Underflow, narrow, round_in_place, round_spans,
-                                  widen)
+from microtrain.step.precision import (CHUNK, SMALL, Underflow, narrow, round_in_place, round_spans,
+                                       widen)
 
 RNG = np.random.default_rng(3)
 

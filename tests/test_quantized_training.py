@@ -9,13 +9,13 @@ import pytest
 from ai_edge_litert.interpreter import Interpreter
 from click.testing import CliRunner
 
-from microtrain.cli import main as microtrain
-from microtrain.artifacts import BACKPROP_META, UNSEALED, seal
-from microtrain.errors import UserError
-from microtrain.format.model import (get_metadata, load_model, model_to_bytes, op_name,
-                                     set_metadata)
-from microtrain.format.wof import read_wof
-from microtrain.graph import concrete_shape, graph_of
+from microtrain.commands.cli import main as microtrain
+from microtrain.files.artifacts import BACKPROP_META, UNSEALED, seal
+from microtrain.files.errors import UserError
+from microtrain.files.format.model import (get_metadata, load_model, model_to_bytes, op_name,
+                                           set_metadata)
+from microtrain.files.format.wof import read_wof
+from microtrain.files.graph import concrete_shape, graph_of
 from trainconf.cli import main as trainconf
 from microtrain.trainer import Trainer
 from test_export_int8 import litert_invoked

@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from litert_reference import interpreter_outputs, keras_loss
-from microtrain.cli import main as microtrain
-from microtrain.format.model import load_model
+from microtrain.commands.cli import main as microtrain
+from microtrain.files.format.model import load_model
 from microtrain.trainer import Trainer
 from test_landmark_refinement import _cache
 from token_inputs import embedding_tables, one_hot_targets, sample_inputs

@@ -9,14 +9,14 @@ import itertools
 import numpy as np
 import pytest
 
-from microtrain.artifacts import load_artifacts
-from microtrain.graph import Graph, Op, Tensor
-from microtrain.loss_scale import make_loss_scale
+from microtrain.files.artifacts import load_artifacts
+from microtrain.files.graph import Graph, Op, Tensor
+from microtrain.step.loss_scale import make_loss_scale
 from microtrain.trainer import Trainer
 from trainconf.backprop import LossSpec, build_backprop
 from trainconf.inspect import planned_memory
 from trainconf.recompute import Chooser, apply, candidates
-from microtrain.format.model import load_model
+from microtrain.files.format.model import load_model
 
 from test_memory_plan import data, replay, splits  # noqa: F401  (splits: a fixture)
 

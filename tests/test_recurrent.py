@@ -11,10 +11,10 @@ from ai_edge_litert.interpreter import Interpreter
 from click.testing import CliRunner
 
 from litert_reference import interpreter_outputs
-from microtrain.cli import main
-from microtrain.errors import UserError
-from microtrain.format.model import load_model, model_from_bytes, model_to_bytes, save_model
-from microtrain.graph import Graph, Op, Tensor
+from microtrain.commands.cli import main
+from microtrain.files.errors import UserError
+from microtrain.files.format.model import load_model, model_from_bytes, model_to_bytes, save_model
+from microtrain.files.graph import Graph, Op, Tensor
 from microtrain.trainer import Trainer
 from torch_reference import ACT
 from trainconf.inspect import describe

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from microtrain.cli import main
-from microtrain.errors import UserError
-from microtrain.loss_scale import make_loss_scale
-from microtrain.federated.settings import FederatedSettings
+from microtrain.commands.cli import main
+from microtrain.files.errors import UserError
+from microtrain.step.loss_scale import make_loss_scale
+from microtrain.commands.federated.settings import FederatedSettings
 from microtrain.run_config import (RunConfig, Shape, SweepSettings, command_line, flag,
                                    option_fields, parse)
 from microtrain.shuffle import Shuffler

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from microtrain.artifacts import sibling
-from microtrain.cli import main as microtrain
-from microtrain.format.model import get_metadata, model_from_bytes, model_to_bytes
-from microtrain.lock import lock_file
+from microtrain.files.artifacts import sibling
+from microtrain.commands.cli import main as microtrain
+from microtrain.files.format.model import get_metadata, model_from_bytes, model_to_bytes
+from microtrain.files.lock import lock_file
 from model_patch import FIXTURES
 from test_hardening import _ok, _one_error, mlp  # noqa: F401  (mlp: a fixture)
 from trainconf.cli import main as trainconf
@@ -37,7 +37,8 @@ def _run(frozen, *extra):
 
 def _cli(*args, **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-c", "import sys; from microtrain.cli import main; "
+    return subprocess.Popen([sys.executable, "-c", "import sys; "
+                             "from microtrain.commands.cli import main; "
                              "from trainconf.cli import main as tc; "
                              "(tc if sys.argv[1] == 'trainconf' else main)(sys.argv[2:])",
                              *map(str, args)], env=env, cwd=ROOT, **popen)
@@ -288,7 +289,7 @@ def test_a_closed_stdout_does_not_stop_training(mlp):
 
 def test_library_warnings_are_shown_only_with_verbose(mlp, monkeypatch, recwarn):
     import warnings
-    from microtrain import session
+    from microtrain.commands import session
 
     def warn_then_evaluate(config):
         warnings.warn("a library's deprecation", FutureWarning)
@@ -305,7 +306,7 @@ def test_parsing_run_options_from_python_leaves_warnings_alone(monkeypatch):
     """The sweep API reads its trials' options with `run`'s parser: that hides no warnings
     of the caller's process (only a command, which restores them, does)."""
     import warnings
-    from microtrain.cli import run
+    from microtrain.commands.cli import run
     monkeypatch.delenv("PYTHONWARNINGS", raising=False)
     with warnings.catch_warnings():
         before = list(warnings.filters)

@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from microtrain.errors import UserError
-from microtrain.schedules import DEFAULTS, SCHEDULES, make_schedule
+from microtrain.files.errors import UserError
+from microtrain.step.schedules import DEFAULTS, SCHEDULES, make_schedule
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "keras_schedules.json").read_text())
 

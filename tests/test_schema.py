@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import tflite
 
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import model_to_bytes, set_custom_options
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import model_to_bytes, set_custom_options
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from kernel_check import run
-from microtrain.cli import main
-from microtrain.errors import UserError
+from microtrain.commands.cli import main
+from microtrain.files.errors import UserError
 from microtrain.trainer import Trainer
 from test_split_gradients import GraphMaker
 from trainconf.split import split

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from ai_edge_litert.interpreter import Interpreter
 
-from microtrain.graph import symbolic_batch
+from microtrain.files.graph import symbolic_batch
 from microtrain.trainer import Trainer
 from trainconf.split import split
 

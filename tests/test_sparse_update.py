@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from microtrain.errors import UserError
+from microtrain.files.errors import UserError
 from microtrain.trainer import Trainer
 from test_memory_plan import data
 from trainconf.select import layers, select_trainable, weighted_ops

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from microtrain.artifacts import load_artifacts
-from microtrain.format.model import load_model, save_model
-from microtrain.format.wof import read_wof
-from microtrain.graph import graph_of
+from microtrain.files.artifacts import load_artifacts
+from microtrain.files.format.model import load_model, save_model
+from microtrain.files.format.wof import read_wof
+from microtrain.files.graph import graph_of
 from trainconf.cli import main
 from trainconf.split import split
 
@@ -115,7 +115,7 @@ def _run(*args) -> subprocess.CompletedProcess:
 
 def test_unsupported_operator_on_the_gradient_path(tmp_path):
     model = load_model(FIXTURES / "regression.tflite")
-    from microtrain.format.model import add_operator_code
+    from microtrain.files.format.model import add_operator_code
     tanh = next(op for op in model.subgraphs[0].operators
                 if model.operatorCodes[op.opcodeIndex].builtinCode == 28)  # TANH
     # ADD_N (of one input here) runs forward (backprop graphs use it) but has no gradient rule

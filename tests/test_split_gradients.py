@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from microtrain.errors import UserError
-from microtrain.format.model import save_model
-from microtrain.graph import Graph, Op, Tensor
+from microtrain.files.errors import UserError
+from microtrain.files.format.model import save_model
+from microtrain.files.graph import Graph, Op, Tensor
 from microtrain.trainer import Trainer
 from torch_reference import reference_gradients
 from trainconf.split import split

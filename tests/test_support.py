@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from microtrain.format.model import add_operator_code, load_model, op_name, save_model
+from microtrain.files.format.model import add_operator_code, load_model, op_name, save_model
 from trainconf import split as split_module
 from trainconf.split import split
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from microtrain.cli import main, run
+from microtrain.commands.cli import main, run
 from microtrain.run_config import SWEEPABLE, RunConfig
-from microtrain.sweep import SweepSettings, Sweep, axis, swept, sweep as sweep_api
+from microtrain.commands.sweep import SweepSettings, Sweep, axis, swept, sweep as sweep_api
 from trainconf.split import split
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from litert_reference import interpreter_outputs
-from microtrain import kernels
-from microtrain.errors import UserError
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import (add_operator_code, load_model, model_to_bytes, op_name,
-                                     save_model, set_builtin_options)
-from microtrain.graph import Graph, Op, graph_of
+from microtrain.step import kernels
+from microtrain.files.errors import UserError
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import (add_operator_code, load_model, model_to_bytes, op_name,
+                                           save_model, set_builtin_options)
+from microtrain.files.graph import Graph, Op, graph_of
 from test_split_gradients import GraphMaker, check_gradients
 from trainconf import unroll
 from trainconf.inspect import describe

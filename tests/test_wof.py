@@ -4,9 +4,9 @@ import struct
 import numpy as np
 import pytest
 
-from microtrain.errors import UserError
-from microtrain.format.model import buffer_array, load_model
-from microtrain.format.wof import read_wof, wof_from_bytes, wof_to_bytes, write_wof
+from microtrain.files.errors import UserError
+from microtrain.files.format.model import buffer_array, load_model
+from microtrain.files.format.wof import read_wof, wof_from_bytes, wof_to_bytes, write_wof
 from model_patch import FIXTURES
 
 

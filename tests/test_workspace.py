@@ -1,4 +1,4 @@
-"""The kernels' shared scratch (microtrain/kernels/workspace.py): one kernel's
+"""The kernels' shared scratch (microtrain/step/kernels/workspace.py): one kernel's
 temporaries never overlap each other, different kernels' do; kernels built over
 one workspace, run in turn with the workspace overwritten by garbage before
 every call, give bit-identical results to kernels with scratch of their own;
@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import microtrain.trainer
-from microtrain.arena import held_bytes
-from microtrain.kernels import build
-from microtrain.kernels.workspace import ALIGN, TILE_BYTES, Workspace, begin_kernel, scratch, sharing
-from microtrain.precision import round_in_place
+from microtrain.step.arena import held_bytes
+from microtrain.step.kernels import build
+from microtrain.step.kernels.workspace import (ALIGN, TILE_BYTES, Workspace, begin_kernel, scratch,
+                                               sharing)
+from microtrain.step.precision import round_in_place
 from microtrain.trainer import Trainer
 from trainconf.split import split
 

@@ -4,8 +4,8 @@ one-operator .tflite model."""
 import numpy as np
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
-from microtrain.format.model import model_to_bytes
-from microtrain.graph import Graph, Op, Tensor
+from microtrain.files.format.model import model_to_bytes
+from microtrain.files.graph import Graph, Op, Tensor
 from trainconf.writer import graph_to_model
 
 
@@ -24,7 +24,7 @@ def tflite_run(op_type: str, inputs: list, out_shapes: list, constant=(), out_dt
     inputs at the positions in `constant` are stored in the model as constant tensors;
     the outputs are float32 unless `out_dtypes` gives their types.  `version` is the
     operator code's version (LiteRT registers some operators from a later one).
-    `quantization`: a microtrain.quantization.Quantization (or None) per input, then per
+    `quantization`: a microtrain.files.quantization.Quantization (or None) per input, then per
     output; `reference`: run LiteRT's reference kernels."""
     quantization = list(quantization) or [None] * (len(inputs) + len(out_shapes))
     tensors = [Tensor(i, f"in{i}", a.shape, a.dtype, a if i in constant else None, quantization[i])

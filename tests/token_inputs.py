@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from microtrain.format.model import buffer_array, load_model, op_name, tensor_dtype
+from microtrain.files.format.model import buffer_array, load_model, op_name, tensor_dtype
 
 LOOKUPS = {"GATHER": (0, 1), "EMBEDDING_LOOKUP": (1, 0)}  # (table, ids) operand positions
 

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from microtrain.graph import Graph
+from microtrain.files.graph import Graph
 
 ACT = {0: lambda x: x, 1: torch.relu, 2: lambda x: x.clamp(-1, 1), 3: lambda x: x.clamp(0, 6),
        4: torch.tanh}

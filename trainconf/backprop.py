@@ -9,11 +9,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from microtrain.contracts import REDUCTIONS
-from microtrain.errors import UserError
-from microtrain.graph import Graph, Op, Tensor
-from microtrain.loss_registry import LOSS_KINDS, PER_CLASS
-from microtrain.precision import reduced
+from microtrain.files.contracts import REDUCTIONS
+from microtrain.files.errors import UserError
+from microtrain.files.graph import Graph, Op, Tensor
+from microtrain.files.loss_registry import LOSS_KINDS, PER_CLASS
+from microtrain.step.precision import reduced
 
 from .operators import WITH_GRADIENT, spec
 

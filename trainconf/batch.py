@@ -2,7 +2,7 @@
 that the artifacts train at any batch size.
 
 Every tensor computed from the model's inputs carries the batch in its first
-axis, as a symbolic dimension (microtrain.graph): -1 for one row per sample, -k
+axis, as a symbolic dimension (microtrain.files.graph): -1 for one row per sample, -k
 for k rows per sample (a dense layer over a sequence reshapes [B, T, D] into
 [B*T, D]: -T).  This module walks the graph once, in execution order, giving
 each output its symbolic shape from its inputs' and folding shape computations
@@ -21,8 +21,8 @@ from math import prod
 
 import numpy as np
 
-from microtrain.errors import UserError
-from microtrain.graph import Graph, Op, batched
+from microtrain.files.errors import UserError
+from microtrain.files.graph import Graph, Op, batched
 
 # Operators whose output is the broadcast of their inputs' shapes.
 BROADCASTING = frozenset({

@@ -14,10 +14,10 @@ finds the largest j that fits, then the largest k, then the largest r.
 import re
 from dataclasses import dataclass
 
-from microtrain.errors import UserError
-from microtrain.graph import Graph
-from microtrain.lazy import DEFAULT_EMBEDDING_UPDATE
-from microtrain.loss_scale import DEFAULT_LOSS_SCALE
+from microtrain.files.errors import UserError
+from microtrain.files.graph import Graph
+from microtrain.step.lazy import DEFAULT_EMBEDDING_UPDATE
+from microtrain.step.loss_scale import DEFAULT_LOSS_SCALE
 
 from .operators import spec
 from .select import Weighted, in_first_use_order, layers, weighted_ops

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import flatbuffers
 import numpy as np
 
-from microtrain.contracts import TrainingParameters
-from microtrain.errors import UserError
-from microtrain.format import circle_traininfo_generated as ct
-from microtrain.format.model import DECODE_ERRORS, get_metadata, set_metadata
-from microtrain.loss_registry import LOSS_KINDS, circle_plus_enum
-from microtrain.optimizers import DEFAULTS
+from microtrain.files.contracts import TrainingParameters
+from microtrain.files.errors import UserError
+from microtrain.files.format import circle_traininfo_generated as ct
+from microtrain.files.format.model import DECODE_ERRORS, get_metadata, set_metadata
+from microtrain.files.loss_registry import LOSS_KINDS, circle_plus_enum
+from microtrain.step.optimizers import DEFAULTS
 
 METADATA = "CIRCLE_TRAINING"
 IDENTIFIER = b"CTR0"

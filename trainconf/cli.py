@@ -5,14 +5,14 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from microtrain.cli_common import (FORCE_OPTION, WAIT_OPTION, CommandGroup,
-                                   divergence_snapshot_option, embedding_update_option,
-                                   loss_scale_option, parameter_options, print_json)
-from microtrain.contracts import REDUCTIONS
-from microtrain.files import check_output, made_folder
-from microtrain.format.model import load_model
-from microtrain.lock import locked
-from microtrain.loss_registry import LOSS_NAMES
+from microtrain.commands.cli_common import (FORCE_OPTION, WAIT_OPTION, CommandGroup,
+                                            divergence_snapshot_option, embedding_update_option,
+                                            loss_scale_option, parameter_options, print_json)
+from microtrain.files.contracts import REDUCTIONS
+from microtrain.files.opening import check_output, made_folder
+from microtrain.files.format.model import load_model
+from microtrain.files.lock import locked
+from microtrain.files.loss_registry import LOSS_NAMES
 
 from .circle_plus import METADATA as CIRCLE_PLUS
 from .export import LORA_EXPORTS, WEIGHT_TYPES, export
@@ -55,7 +55,7 @@ JSON_OPTION = click.option("--json", "as_json", is_flag=True,
 
 
 def estimate_options(recorded: str, names: list[str], purpose: str):
-    """The training parameters in `names` (see microtrain.cli_common.parameter_options),
+    """The training parameters in `names` (see microtrain.commands.cli_common.parameter_options),
     --accum-steps, --embedding-update and --loss-scale: what a planned peak memory is
     estimated for."""
     def decorate(fn):

@@ -16,10 +16,10 @@ each weighted operator gets its own copy (untie_weights).
 """
 import numpy as np
 
-from microtrain.errors import UserError
-from microtrain.executor import SPLIT_RESOLVES as RESOLVERS  # the ops that resolve constants
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import TYPE_NAMES, buffer_array, int_list, op_name, tensor_dtype
+from microtrain.files.errors import UserError
+from microtrain.step.executor import SPLIT_RESOLVES as RESOLVERS  # the ops that resolve constants
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import TYPE_NAMES, buffer_array, int_list, op_name, tensor_dtype
 
 from .operators import Operand, spec
 from .writer import set_constant

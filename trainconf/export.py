@@ -19,16 +19,16 @@ from pathlib import Path
 import numpy as np
 import tflite
 
-from microtrain.artifacts import TRAINING_META, load_artifacts, sibling
-from microtrain.contracts import Adapters, Quantization
+from microtrain.files.artifacts import TRAINING_META, load_artifacts, sibling
+from microtrain.files.contracts import Adapters, Quantization
 from microtrain.data import spec_file
-from microtrain.atomic import atomic_write
-from microtrain.files import check_output
-from microtrain.errors import UserError
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import (TYPE_NAMES, add_operator_code, enum_names, int_list,
-                                     load_model, model_to_bytes, op_name, remove_metadata)
-from microtrain.graph import BATCH, graph_of
+from microtrain.files.atomic import atomic_write
+from microtrain.files.opening import check_output
+from microtrain.files.errors import UserError
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import (TYPE_NAMES, add_operator_code, enum_names, int_list,
+                                           load_model, model_to_bytes, op_name, remove_metadata)
+from microtrain.files.graph import BATCH, graph_of
 
 from .circle_plus import METADATA as CIRCLE_PLUS, set_circle_plus, to_circle_plus
 from .importer import TFLITE_VERSION

@@ -9,8 +9,8 @@ is how trainconf/batch.py reads a folded RESHAPE target.
 """
 import numpy as np
 
-from microtrain.graph import Graph, Op
-from microtrain.kernels.shape import strided_index
+from microtrain.files.graph import Graph, Op
+from microtrain.step.kernels.shape import strided_index
 
 
 def shape(g: Graph, op: Op, values):

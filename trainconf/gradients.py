@@ -5,12 +5,12 @@ uses which rule is declared in trainconf/operators.py.
 A rule is `rule(b, op, dy, needs) -> list[grad | None]`, one entry per op input:
 `b` is the backprop builder, `dy` the backprop tensor holding dLoss/d(output),
 `needs[i]` whether input i wants a gradient.  Rules only emit operators; the
-math of each operator is in schemas/backprop.md and microtrain/kernels.
+math of each operator is in schemas/backprop.md and microtrain/step/kernels.
 """
 import numpy as np
 
-from microtrain.errors import UserError
-from microtrain.kernels.shape import tile_axes
+from microtrain.files.errors import UserError
+from microtrain.step.kernels.shape import tile_axes
 
 # Fused activation codes (circle ActivationFunctionType) as ActivationGrad names.
 FUSED_NAMES = {1: "relu", 2: "relu_n1_to_1", 3: "relu6", 4: "tanh"}

@@ -11,7 +11,7 @@ rows of the same product, whose gradient is one product and one concatenation
 (SplitGrad).  Fused recurrent layers are lowered this way from the start
 (trainconf/recurrent.py).
 """
-from microtrain.graph import Graph, Op, graph_of
+from microtrain.files.graph import Graph, Op, graph_of
 
 from .recurrent import _Builder
 

@@ -7,11 +7,10 @@ does, e.g. "STABLEHLO_COMPOSITE" rather than a bare code.
 """
 import tflite
 
-from microtrain.errors import UserError
-from microtrain.files import read_regular
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import (DECODE_ERRORS, enum_names, model_from_bytes,
-                                     save_model)
+from microtrain.files.errors import UserError
+from microtrain.files.opening import read_regular
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import DECODE_ERRORS, enum_names, model_from_bytes, save_model
 
 TFLITE_VERSION = 3
 

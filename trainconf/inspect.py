@@ -3,16 +3,16 @@ from pathlib import Path
 
 import numpy as np
 
-from microtrain.artifacts import TRAINING_META, load_artifacts, sibling
-from microtrain.contracts import PlannedRun, TrainingMeta
-from microtrain.format import circle_generated as circle
-from microtrain.lazy import DEFAULT_EMBEDDING_UPDATE
-from microtrain.quantization import quantization_of
+from microtrain.files.artifacts import TRAINING_META, load_artifacts, sibling
+from microtrain.files.contracts import PlannedRun, TrainingMeta
+from microtrain.files.format import circle_generated as circle
+from microtrain.step.lazy import DEFAULT_EMBEDDING_UPDATE
+from microtrain.files.quantization import quantization_of
 from microtrain.run_config import DEFAULT_DIVERGENCE_SNAPSHOT
-from microtrain.loss_scale import DEFAULT_LOSS_SCALE
-from microtrain.format.model import (TYPE_NAMES, enum_names, get_metadata, int_list, op_name,
-                                     options_dict, tensor_dtype)
-from microtrain.graph import stores_levels
+from microtrain.step.loss_scale import DEFAULT_LOSS_SCALE
+from microtrain.files.format.model import (TYPE_NAMES, enum_names, get_metadata, int_list, op_name,
+                                           options_dict, tensor_dtype)
+from microtrain.files.graph import stores_levels
 
 from .constants import RESOLVERS, is_quantized
 from .memory import measure_scratch, peak, peak_text, scratch_points

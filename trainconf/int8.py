@@ -30,13 +30,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from microtrain import kernels
-from microtrain.contracts import Quantization, TensorRange, WeightScales
+from microtrain.step import kernels
+from microtrain.files.contracts import Quantization, TensorRange, WeightScales
 from microtrain.data import load_array
-from microtrain.errors import UserError
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import add_operator_code, get_metadata, int_list
-from microtrain.graph import Graph, concrete_shape, graph_of, symbolic_batch
+from microtrain.files.errors import UserError
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import add_operator_code, get_metadata, int_list
+from microtrain.files.graph import Graph, concrete_shape, graph_of, symbolic_batch
 
 from .operators import INT8
 from .writer import set_constant

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from microtrain.contracts import Adapter, Adapters
-from microtrain.errors import UserError
-from microtrain.format.model import get_metadata, set_metadata
-from microtrain.graph import Graph, Op, graph_of
+from microtrain.files.contracts import Adapter, Adapters
+from microtrain.files.errors import UserError
+from microtrain.files.format.model import get_metadata, set_metadata
+from microtrain.files.graph import Graph, Op, graph_of
 
 from .portable import Editor
 from .select import select_trainable

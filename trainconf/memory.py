@@ -21,26 +21,27 @@ from math import prod
 
 import numpy as np
 
-from microtrain.arena import START_ALIGN, held_bytes, linear, memory_limit
-from microtrain.artifacts import Artifacts
-from microtrain.contracts import GraphLinks, MemoryPlan
-from microtrain.errors import UserError
-from microtrain.executor import (Memory, Wrappers, _trained_spans, compile_plan, precision,
-                                 reorders)
-from microtrain.format.wof import placement
-from microtrain.precision import dtype_of, reduced
-from microtrain.precision import storage as runtime_dtype
-from microtrain.graph import Graph, batched, concrete_shape, symbolic_batch
-from microtrain.kernels import IN_PLACE, OVERWRITES
-from microtrain.kernels.workspace import sharing
-from microtrain.lazy import DEFAULT_EMBEDDING_UPDATE, RowGrad, RowSum, lazy_tables, row_gradients
-from microtrain.loss_scale import DEFAULT_LOSS_SCALE, LossScale, make_loss_scale
+from microtrain.step.arena import START_ALIGN, held_bytes, linear, memory_limit
+from microtrain.files.artifacts import Artifacts
+from microtrain.files.contracts import GraphLinks, MemoryPlan
+from microtrain.files.errors import UserError
+from microtrain.step.executor import (Memory, Wrappers, _trained_spans, compile_plan, precision,
+                                      reorders)
+from microtrain.files.format.wof import placement
+from microtrain.step.precision import dtype_of, reduced
+from microtrain.step.precision import storage as runtime_dtype
+from microtrain.files.graph import Graph, batched, concrete_shape, symbolic_batch
+from microtrain.step.kernels import IN_PLACE, OVERWRITES
+from microtrain.step.kernels.workspace import sharing
+from microtrain.step.lazy import (DEFAULT_EMBEDDING_UPDATE, RowGrad, RowSum, lazy_tables,
+                                  row_gradients)
+from microtrain.step.loss_scale import DEFAULT_LOSS_SCALE, LossScale, make_loss_scale
 from microtrain.metrics import bind, default_metric
-from microtrain.optimizers import TILE, make_optimizer
-from microtrain.precision import Underflow
+from microtrain.step.optimizers import TILE, make_optimizer
+from microtrain.step.precision import Underflow
 from microtrain.run_config import DEFAULT_DIVERGENCE_SNAPSHOT
-from microtrain.update_order import UpdateOrder
-from microtrain.weight_map import WeightMap, weight_map
+from microtrain.step.update_order import UpdateOrder
+from microtrain.files.weight_map import WeightMap, weight_map
 
 from .operators import ROW_GRADS
 
@@ -382,7 +383,7 @@ def measure_scratch(art: Artifacts, batch: int) -> list[int]:
 def optimizer_bytes(name: str, parameters: int, dense: int | None = None, lazy_rows: int = 0) -> int:
     """State and scratch vectors of optimizer `name` over `parameters` weights, of
     which `dense` (default: all) update densely and at most `lazy_rows` elements
-    in a lazy table's touched rows (see microtrain.optimizers.Optimizer), measured
+    in a lazy table's touched rows (see microtrain.step.optimizers.Optimizer), measured
     on small ones: linear in the weights, in max(dense, lazy_rows) up to a tile
     (its scratch) and in lazy_rows (the touched rows of the weights and the state)."""
     def held(n, d, r):  # begun, as in a step: its scalars are 0-d arrays
@@ -413,7 +414,7 @@ def _gradient_bytes(art: Artifacts, batch: int, accum_steps: int, embedding_upda
     largest lazy table's touched rows): each lazy table's touched rows (and
     their running sum when accumulating, as the trainer does for --accum-steps
     or a graph run a sample at a time), and the dense weights' gradients:
-    reordered (microtrain.executor.reorders), the plan's gradient buffer and
+    reordered (microtrain.step.executor.reorders), the plan's gradient buffer and
     the gradients it leaves out; else the vector of them all; and the running
     sum of them all when accumulating."""
     run_rows = _run_rows(art, batch)
@@ -457,7 +458,7 @@ def _constant_copies(art: Artifacts, weight_dtype) -> int:
 
 def _weight_map(art: Artifacts, files: dict[str, int]) -> WeightMap | None:
     """How the runtime maps the .wof (as `trainconf split` lays it out) to read
-    frozen rows in place (microtrain/weight_map.py)."""
+    frozen rows in place (microtrain/files/weight_map.py)."""
     offsets = placement(len(art.forward.tensors), art.weights)[0]
     return weight_map(art.weights, _trained_spans(art), offsets, files["wof"])
 

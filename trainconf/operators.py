@@ -6,18 +6,18 @@ else: which ops have a trainable weight (`--trainable`, the memory budget),
 which weight gradients can be cut to rows, which ops are layers for adaptive
 loss scaling, which ops fold into constants.  The forward kernels belong to the
 runtime: an operator runs forward when microtrain registers a kernel under its
-name (`microtrain.kernels.KERNELS`), a fact this module reads and never
+name (`microtrain.step.kernels.KERNELS`), a fact this module reads and never
 restates.  docs/operators.md's table of supported operators is generated from
 OPERATORS by scripts/operator_table.py.
 
 How to add an operator
 ----------------------
-1. Forward: a kernel `@kernel("NAME")` in microtrain/kernels/, tested in
+1. Forward: a kernel `@kernel("NAME")` in microtrain/step/kernels/, tested in
    tests/test_kernels_*.py (against PyTorch or numpy references).
 2. Backward (if it trains or passes gradients): a rule
    `rule(b, op, dy, needs) -> [grad | None per input]` in trainconf/gradients.py
    that emits gradient operators; a new gradient operator gets its kernel in
-   microtrain/kernels and a row in schemas/backprop.md.  Its gradient is checked
+   microtrain/step/kernels and a row in schemas/backprop.md.  Its gradient is checked
    against PyTorch float64 in tests/test_split_gradients.py.
 3. One entry in OPERATORS below, `Operator("NAME", gradients.rule, ...)` with
    its properties; then `python scripts/operator_table.py` to refresh the
@@ -40,8 +40,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from microtrain.graph import concrete_shape
-from microtrain.kernels import KERNELS, VERSIONS
+from microtrain.files.graph import concrete_shape
+from microtrain.step.kernels import KERNELS, VERSIONS
 
 from . import fold, gradients
 

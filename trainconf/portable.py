@@ -22,9 +22,9 @@ accepts:
 """
 import numpy as np
 
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import int_list
-from microtrain.graph import BATCH, Graph, Op, Tensor, batched, graph_of
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import int_list
+from microtrain.files.graph import BATCH, Graph, Op, Tensor, batched, graph_of
 
 from .batch import BROADCASTING, broadcast
 from .operators import OPERATORS, spec

@@ -22,17 +22,17 @@ from pathlib import Path
 
 import numpy as np
 
-from microtrain.contracts import Quantization, TensorRange, WeightScales
+from microtrain.files.contracts import Quantization, TensorRange, WeightScales
 from microtrain.data import load_array
-from microtrain.errors import UserError
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import (TYPE_NAMES, add_operator_code, buffer_array, get_metadata,
-                                     int_list, op_name, remove_metadata, set_builtin_options,
-                                     set_metadata)
-from microtrain.graph import Graph, concrete_shape, graph_of
-from microtrain.kernels import build as build_kernel
-from microtrain.kernels.fake_quant import (channel_shape, range_of, scale_zero_point,
-                                           symmetric_levels, tracked_scales)
+from microtrain.files.errors import UserError
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import (TYPE_NAMES, add_operator_code, buffer_array,
+                                           get_metadata, int_list, op_name, remove_metadata,
+                                           set_builtin_options, set_metadata)
+from microtrain.files.graph import Graph, concrete_shape, graph_of
+from microtrain.step.kernels import build as build_kernel
+from microtrain.step.kernels.fake_quant import (channel_shape, range_of, scale_zero_point,
+                                                symmetric_levels, tracked_scales)
 
 from .constants import dequantized, is_quantized, set_float
 from .portable import Editor

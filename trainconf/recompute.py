@@ -19,10 +19,10 @@ multiply-adds weighed by how fast microtrain runs them (`cost`).
 from dataclasses import dataclass, replace
 from math import prod
 
-from microtrain.arena import START_ALIGN, linear
-from microtrain.artifacts import UNSEALED
-from microtrain.contracts import GraphLinks
-from microtrain.graph import Graph, Op, batched
+from microtrain.step.arena import START_ALIGN, linear
+from microtrain.files.artifacts import UNSEALED
+from microtrain.files.contracts import GraphLinks
+from microtrain.files.graph import Graph, Op, batched
 
 from .backprop import Backprop, stand_in
 from .memory import needs, regions
@@ -65,7 +65,7 @@ def _computed(g: Graph) -> dict[int, Op]:
 
 def _shared_fc_weights(g: Graph) -> set[int]:
     """Weights several FULLY_CONNECTED read: the forward pass reads them through a
-    transposed copy (microtrain.executor), so a copy in the backprop graph might
+    transposed copy (microtrain.step.executor), so a copy in the backprop graph might
     round differently."""
     seen: dict[int, int] = {}
     for op in g.ops:

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from microtrain.errors import UserError
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import enum_names, int_list
-from microtrain.graph import Graph, Op, Tensor, graph_of
+from microtrain.files.errors import UserError
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import enum_names, int_list
+from microtrain.files.graph import Graph, Op, Tensor, graph_of
 
 from .constants import drop_unread
 from .gradients import FUSED_NAMES

@@ -11,8 +11,8 @@ trains with them, `--freeze-bias` freezes it, and it is not a layer of its own.
 """
 from dataclasses import dataclass
 
-from microtrain.errors import UserError
-from microtrain.graph import Graph, Op
+from microtrain.files.errors import UserError
+from microtrain.files.graph import Graph, Op
 
 from .operators import WEIGHTED, Operand, spec
 

@@ -16,9 +16,9 @@ meaning.
 """
 import numpy as np
 
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import buffer_array, int_list
-from microtrain.graph import Graph, Op, graph_of
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import buffer_array, int_list
+from microtrain.files.graph import Graph, Op, graph_of
 
 from .writer import set_constant
 

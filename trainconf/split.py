@@ -5,24 +5,24 @@ from pathlib import Path
 
 import numpy as np
 
-from microtrain.artifacts import UNSEALED, Artifacts, fingerprint, load_artifacts, seal
-from microtrain.arena import START_ALIGN
-from microtrain.atomic import PENDING, atomic_write_set
-from microtrain.kernels.workspace import tile_bytes
-from microtrain.lazy import DEFAULT_EMBEDDING_UPDATE
-from microtrain.loss_registry import LOSS_KINDS, default_loss
-from microtrain.loss_scale import DEFAULT_LOSS_SCALE, make_loss_scale
-from microtrain.contracts import (GraphLinks, PlannedRun, Precision, TrainingMeta,
-                                  TrainingParameters)
-from microtrain.errors import UserError
-from microtrain.files import check_output
-from microtrain.format.model import (buffer_array, load_model, model_to_bytes, remove_metadata,
-                                     set_metadata)
-from microtrain.format.wof import wof_to_bytes
-from microtrain.graph import BATCH, Graph, batched, check_dataflow, graph_of
-from microtrain.optimizers import make_optimizer
+from microtrain.files.artifacts import UNSEALED, Artifacts, fingerprint, load_artifacts, seal
+from microtrain.step.arena import START_ALIGN
+from microtrain.files.atomic import PENDING, atomic_write_set
+from microtrain.step.kernels.workspace import tile_bytes
+from microtrain.step.lazy import DEFAULT_EMBEDDING_UPDATE
+from microtrain.files.loss_registry import LOSS_KINDS, default_loss
+from microtrain.step.loss_scale import DEFAULT_LOSS_SCALE, make_loss_scale
+from microtrain.files.contracts import (GraphLinks, PlannedRun, Precision, TrainingMeta,
+                                        TrainingParameters)
+from microtrain.files.errors import UserError
+from microtrain.files.opening import check_output
+from microtrain.files.format.model import (buffer_array, load_model, model_to_bytes,
+                                           remove_metadata, set_metadata)
+from microtrain.files.format.wof import wof_to_bytes
+from microtrain.files.graph import BATCH, Graph, batched, check_dataflow, graph_of
+from microtrain.step.optimizers import make_optimizer
 from microtrain.parameters import Resolved, resolve
-from microtrain.precision import TYPES, dtype_of
+from microtrain.step.precision import TYPES, dtype_of
 
 from .backprop import Backprop, Builder, LossSpec, build_backprop, check_loss
 from .budget import fit_budget, parse_size
@@ -214,7 +214,7 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
     hyperparameters, batch size, epochs) are recorded for `microtrain run`.
     The planned peak memory is estimated for the batch size, the optimizer,
     `accum_steps` (batches accumulated per update), `embedding_update` (how
-    embedding tables update, microtrain/lazy.py) and `loss_scale` (as microtrain
+    embedding tables update, microtrain/step/lazy.py) and `loss_scale` (as microtrain
     run's --loss-scale); `ignore_index` and
     `from_logits` qualify the loss (LossSpec); with `memory_budget`
     (bytes, or a size such as "64KiB") what trains is chosen so that it fits
@@ -227,7 +227,7 @@ def split(model_path, out_dir=None, trainable: str | None = None, loss: str | No
     does not fit otherwise.  `quant` trains an int8 model, or a float model,
     through fake quantization (trainconf/quantize.py).  With `compact_scratch`
     the kernels bound their scratch memory at some cost in speed, working tiles of
-    microtrain.kernels.workspace.tile_bytes at the split's batch size; a budget
+    microtrain.step.kernels.workspace.tile_bytes at the split's batch size; a budget
     takes the fastest tiles that fit (budget_tiles; compact ones only with
     `compact_scratch`)."""
     model_path = Path(model_path)
@@ -344,7 +344,7 @@ def operator_outputs(g: Graph, operators: list[int]) -> set[int]:
 @dataclass(frozen=True)
 class Tiles:
     """How finely a split's kernels work: the compact workspace's scratch tile in
-    bytes (None: the kernels' fastest layouts; microtrain.kernels.workspace) and
+    bytes (None: the kernels' fastest layouts; microtrain.step.kernels.workspace) and
     the least elements of a fused gradient's tile (trainconf.memory.fused_rows)."""
     scratch: int | None
     fused: int

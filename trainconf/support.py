@@ -3,11 +3,11 @@ operator it would run that microtrain cannot run (no forward kernel), or whose
 options name a value the schema does not have.  Operators on the gradient path
 without a gradient rule are refused by the backprop builder, before planning
 too; ops below the lowest trained layer need only their forward kernel."""
-from microtrain.errors import UserError
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import enum_names
-from microtrain.graph import Graph, Op
-from microtrain.kernels import version_problem
+from microtrain.files.errors import UserError
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import enum_names
+from microtrain.files.graph import Graph, Op
+from microtrain.step.kernels import version_problem
 
 from .operators import OPERATORS, spec
 

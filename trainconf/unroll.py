@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from microtrain import kernels
-from microtrain.errors import UserError
-from microtrain.format.model import buffer_array, int_list, op_name, options_dict, tensor_dtype
-from microtrain.kernels.shape import strided_index
+from microtrain.step import kernels
+from microtrain.files.errors import UserError
+from microtrain.files.format.model import (buffer_array, int_list, op_name, options_dict,
+                                           tensor_dtype)
+from microtrain.step.kernels.shape import strided_index
 
 from .operators import spec
 from .writer import set_constant

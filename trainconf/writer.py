@@ -1,11 +1,11 @@
 """Turn a Graph built by trainconf into a circle model, and edit constants in place."""
 import numpy as np
 
-from microtrain.errors import UserError
-from microtrain.format import circle_generated as circle
-from microtrain.format.model import (add_operator_code, set_builtin_options, set_custom_options,
-                                    set_metadata)
-from microtrain.graph import Graph, batched
+from microtrain.files.errors import UserError
+from microtrain.files.format import circle_generated as circle
+from microtrain.files.format.model import (add_operator_code, set_builtin_options,
+                                           set_custom_options, set_metadata)
+from microtrain.files.graph import Graph, batched
 
 from .operators import spec
 

@@ -1,0 +1,2 @@
+"""The commands: the click command lines and the Python functions beneath them, sweeps,
+plots, checkpoints and federated training."""
