@@ -24,6 +24,7 @@ from math import prod
 import numpy as np
 
 from microtrain.files.errors import UserError
+from microtrain.files.format.model import bfloat16
 from microtrain.step.kernels import in_sequence
 from microtrain.step.kernels.fake_quant import dequantizer
 from microtrain.files.graph import Tensor
@@ -32,17 +33,6 @@ from microtrain.step.kernels.workspace import kept, scratch
 F32 = np.dtype(np.float32)
 HALF = np.dtype(np.float16)
 TYPES = ("fp32", "fp16", "bf16")  # the names of the types a split may choose
-
-
-@functools.cache
-def bfloat16() -> np.dtype:
-    """ml_dtypes' bfloat16, imported only when bf16 is used (optional extra [bf16])."""
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise UserError(None, "bf16 needs the ml_dtypes package: pip install "
-                              "'trainconf-microtrain[bf16]'") from None
-    return np.dtype(ml_dtypes.bfloat16)
 
 
 def dtype_of(name: str) -> np.dtype:

@@ -8,6 +8,7 @@ After loading, `OperatorCodeT.builtinCode` is the operator's code for every
 entry (the file's rule, "builtin_code only when deprecated_builtin_code is
 127", is applied once here), and saving derives deprecated_builtin_code from it.
 """
+import functools
 import math
 import re
 import struct
@@ -298,10 +299,20 @@ def set_custom_options(op: circle.OperatorT, options: dict, name: str | None = N
 
 # ---------------------------------------------------------------- tensors
 
+@functools.cache
+def bfloat16() -> np.dtype:
+    """ml_dtypes' bfloat16, imported only when bf16 is used (optional extra [bf16])."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise UserError(None, "bf16 needs the ml_dtypes package: pip install "
+                              "'trainconf-microtrain[bf16]'") from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
 def tensor_dtype(tensor: circle.TensorT) -> np.dtype:
     """The numpy dtype (little-endian) of the tensor's elements."""
     if tensor.type == _T.BFLOAT16:
-        from microtrain.step.precision import bfloat16  # ml_dtypes, only for bf16 models
         return bfloat16()
     if tensor.type not in DTYPES:
         raise UserError(None, f"tensor '{tensor.name}' has type "
