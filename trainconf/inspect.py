@@ -4,12 +4,10 @@ from pathlib import Path
 import numpy as np
 
 from microtrain.files.artifacts import TRAINING_META, load_artifacts, sibling
-from microtrain.files.contracts import PlannedRun, TrainingMeta
+from microtrain.files.contracts import TrainingMeta
 from microtrain.files.format import circle_generated as circle
-from microtrain.step.lazy import DEFAULT_EMBEDDING_UPDATE
 from microtrain.files.quantization import quantization_of
 from microtrain.run_config import DEFAULT_DIVERGENCE_SNAPSHOT
-from microtrain.step.loss_scale import DEFAULT_LOSS_SCALE
 from microtrain.files.format.model import (TYPE_NAMES, enum_names, get_metadata, int_list, op_name,
                                            options_dict, tensor_dtype)
 from microtrain.files.graph import stores_levels
@@ -86,18 +84,19 @@ def planned_memory(path: Path, model: circle.ModelT, batch: int | None, optimize
     art = load_artifacts(path)
     recorded = art.training.parameters
     batch, optimizer = batch or recorded.batch_size, optimizer or recorded.optimizer
-    assumed = art.training.planned_for or PlannedRun(DEFAULT_LOSS_SCALE, 1,
-                                                     DEFAULT_EMBEDDING_UPDATE)
-    accum_steps = accum_steps or assumed.accum_steps
-    embedding_update = embedding_update or assumed.embedding_update
-    loss_scale = loss_scale or assumed.loss_scale
+    given = {"accum_steps": accum_steps, "embedding_update": embedding_update,
+             "loss_scale": loss_scale}
+    assumed = art.training.planned_for.to_dict() if art.training.planned_for else {}
+    # neither given nor recorded: peak()'s defaults, microtrain run's
+    run = {k: v if v is not None else assumed.get(k) for k, v in given.items()}
     plan = art.links.memory
     if plan is None:
         return None
     if scratch_points(batch) != plan.kernel_scratch_measured_at:
         plan.kernel_scratch = tuple(measure_scratch(art, batch))  # exact at this batch
     memory = peak(art, batch, optimizer, {name: f.stat().st_size for name, f in files.items()},
-                  accum_steps, embedding_update, divergence_snapshot, loss_scale)
+                  divergence_snapshot=divergence_snapshot,
+                  **{k: v for k, v in run.items() if v is not None})
     return {**memory, "recompute": recompute_summary(art)}
 
 
