@@ -35,6 +35,19 @@ def interpreter_outputs(model: Path | bytes, xs: list[np.ndarray]) -> list[np.nd
     return [np.concatenate(r) for r in results]
 
 
+def invoked(interpreter: Interpreter, xs: list[np.ndarray]) -> Interpreter:
+    """`interpreter` after running the inputs xs at their own shapes, from the zero state."""
+    inputs = interpreter.get_input_details()
+    for d, x in zip(inputs, xs):
+        interpreter.resize_tensor_input(d["index"], x.shape)
+    interpreter.allocate_tensors()
+    interpreter.reset_all_variables()  # a fused LSTM's state would carry over invoke()s
+    for d, x in zip(inputs, xs):
+        interpreter.set_tensor(d["index"], x)
+    interpreter.invoke()
+    return interpreter
+
+
 def keras_loss(name: str, ys, ts) -> float:
     """Keras's loss (mse, mae or cce) with mean reduction, summed over the outputs as the
     backprop graph sums them, in float64."""

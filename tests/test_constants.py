@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
-from litert_reference import dequantized_in_front
+from litert_reference import dequantized_in_front, invoked
 from microtrain.files.artifacts import load_artifacts
 from microtrain.files.errors import UserError
 from microtrain.files.format import circle_generated as circle
@@ -26,14 +26,7 @@ REAL = FIXTURES / "real"
 
 def _invoked(data: bytes, inputs: list[np.ndarray], **options) -> Interpreter:
     """A LiteRT interpreter (Interpreter's `options`) that has run `inputs`."""
-    it = Interpreter(model_content=data, **options)
-    for d, x in zip(it.get_input_details(), inputs):
-        it.resize_tensor_input(d["index"], x.shape)
-    it.allocate_tensors()
-    for d, x in zip(it.get_input_details(), inputs):
-        it.set_tensor(d["index"], x)
-    it.invoke()
-    return it
+    return invoked(Interpreter(model_content=data, **options), inputs)
 
 
 def _litert(data: bytes, inputs: list[np.ndarray], **options) -> list[np.ndarray]:

@@ -10,6 +10,7 @@ import pytest
 from ai_edge_litert.interpreter import Interpreter
 from click.testing import CliRunner
 
+from litert_reference import invoked
 from microtrain.files.artifacts import TRAINING_META, load_artifacts, sibling
 from microtrain.files.errors import UserError
 from microtrain.files.format import circle_generated as circle
@@ -68,12 +69,7 @@ def trained(tmp_path_factory):
 
 
 def run_litert(path, x: np.ndarray) -> np.ndarray:
-    interpreter = Interpreter(model_path=str(path))
-    entry = interpreter.get_input_details()[0]
-    interpreter.resize_tensor_input(entry["index"], list(x.shape))
-    interpreter.allocate_tensors()
-    interpreter.set_tensor(entry["index"], x)
-    interpreter.invoke()
+    interpreter = invoked(Interpreter(model_path=str(path)), [x])
     return interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
 
 

@@ -9,6 +9,7 @@ from ai_edge_litert.interpreter import Interpreter
 
 from microtrain.files.format.model import load_model, model_to_bytes
 from microtrain.files.graph import BATCH, Graph, Op, Tensor, graph_of
+from litert_reference import invoked
 from microtrain.trainer import Trainer
 from test_real_models import CACHED, FIXTURE_PARAMS
 from token_inputs import one_hot_targets, sample_inputs
@@ -23,15 +24,7 @@ TOLERANCE = 1e-5
 
 
 def run_litert(path, xs: list) -> np.ndarray:
-    interpreter = Interpreter(model_path=str(path))
-    entries = interpreter.get_input_details()
-    for entry, x in zip(entries, xs):
-        interpreter.resize_tensor_input(entry["index"], list(x.shape))
-    interpreter.allocate_tensors()
-    interpreter.reset_all_variables()  # a fused LSTM's state would carry over invoke()s
-    for entry, x in zip(entries, xs):
-        interpreter.set_tensor(entry["index"], x)
-    interpreter.invoke()
+    interpreter = invoked(Interpreter(model_path=str(path)), xs)
     return interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
 
 

@@ -18,7 +18,7 @@ from microtrain.files.format.model import load_model, model_to_bytes
 from microtrain.files.graph import Graph, Op, Tensor, graph_of
 from microtrain.files.quantization import Quantization, dequantize, quantize
 from microtrain.trainer import Trainer
-from litert_reference import interpreter_outputs
+from litert_reference import interpreter_outputs, invoked
 from tflite_op import interpreter, tflite_run
 from token_inputs import sample_inputs as token_inputs
 from trainconf.cli import main as trainconf
@@ -79,14 +79,7 @@ def fetch_script():
 
 def litert(path: Path, xs: list[np.ndarray], reference: bool = True, keep: bool = False):
     """LiteRT's interpreter after running the inputs xs (`keep`: with every tensor kept)."""
-    run = interpreter(path, reference, experimental_preserve_all_tensors=keep)
-    for d, x in zip(run.get_input_details(), xs):
-        run.resize_tensor_input(d["index"], x.shape)
-    run.allocate_tensors()
-    for d, x in zip(run.get_input_details(), xs):
-        run.set_tensor(d["index"], x)
-    run.invoke()
-    return run
+    return invoked(interpreter(path, reference, experimental_preserve_all_tensors=keep), xs)
 
 
 def output(run) -> np.ndarray:
