@@ -159,12 +159,19 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("/tmp/lora_table"))
+def table_parser(doc: str, out: Path) -> argparse.ArgumentParser:
+    """The options every transfer-table script takes: where its models go, the
+    TensorFlow interpreter that pretrains them, and the hidden worker flag."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=out)
     parser.add_argument("--tf-python", default=sys.executable,
                         help="interpreter with TensorFlow and Keras 3, for the pretraining")
     parser.add_argument("--pretrain", action="store_true", help=argparse.SUPPRESS)  # the worker
+    return parser
+
+
+def main() -> None:
+    parser = table_parser(__doc__, Path("/tmp/lora_table"))
     parser.add_argument("--models", default=";".join(EPOCHS), help="a ;-list of models")
     args = parser.parse_args()
     if args.pretrain:

@@ -22,7 +22,6 @@ values over the seeds, and of the trained model as `trainconf export` writes it
 
     python scripts/qat_table.py --out /tmp/qat_table --tf-python /opt/venvs/tf/bin/python --jobs 2
 """
-import argparse
 import json
 import subprocess
 import sys
@@ -33,7 +32,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from lora_table import BATCH, CLASSES, PRETRAIN_CLASSES, SEED, datasets  # noqa: E402
+from lora_table import (BATCH, CLASSES, PRETRAIN_CLASSES, SEED, datasets,  # noqa: E402
+                        table_parser)
 
 SEEDS = (0, 1, 2)  # the fine-tuning's data orders: the table reports their mean and spread
 # model: (Keras pretraining epochs, microtrain fine-tuning epochs, learning rate)
@@ -186,11 +186,7 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("/tmp/qat_table"))
-    parser.add_argument("--tf-python", default=sys.executable,
-                        help="interpreter with TensorFlow and Keras 3, for the pretraining")
-    parser.add_argument("--pretrain", action="store_true", help=argparse.SUPPRESS)  # the worker
+    parser = table_parser(__doc__, Path("/tmp/qat_table"))
     parser.add_argument("--models", default=",".join(MODELS), help="a comma list of models")
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)),
                         help="a comma list of the fine-tuning's shuffling seeds")

@@ -12,7 +12,6 @@ and after fine-tuning.
 
     python scripts/sparse_table.py --out /tmp/sparse_table --tf-python /opt/venvs/tf/bin/python
 """
-import argparse
 import json
 import subprocess
 import sys
@@ -22,7 +21,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from lora_table import BATCH, CLASSES, PRETRAIN_CLASSES, SEED, datasets  # noqa: E402
+from lora_table import (BATCH, CLASSES, PRETRAIN_CLASSES, SEED, datasets,  # noqa: E402
+                        table_parser)
 
 PRETRAIN_EPOCHS, FINETUNE_EPOCHS, LEARNING_RATE = 30, 4, 5e-3
 SCHEMES = ("last:1", "last:2", "biases:last:16,last:1", "biases,last:1", "biases")
@@ -85,11 +85,7 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("/tmp/sparse_table"))
-    parser.add_argument("--tf-python", default=sys.executable,
-                        help="interpreter with TensorFlow and Keras 3, for the pretraining")
-    parser.add_argument("--pretrain", action="store_true", help=argparse.SUPPRESS)  # the worker
+    parser = table_parser(__doc__, Path("/tmp/sparse_table"))
     args = parser.parse_args()
     model = args.out / "mobilenetv2.tflite"
     if args.pretrain:
